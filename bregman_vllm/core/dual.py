@@ -1,0 +1,167 @@
+"""Dual alpha-renormalization T*_alpha on a fixed support (eq. ren-dual, Theorem d-ren).
+
+The dual map solves min_{q in simplex} sum_i d_phi(p_i, q_i). For phi_alpha, eq. (ren-dual) reads
+
+    q_i^(alpha-2) (q_i - p_i) = nu   for every i in the support,   sum_i q_i = 1,   nu > 0,
+
+so each q_i is the unique root above p_i of an increasing function (dual validity, alpha > 1).
+Closed forms: alpha = 1 and alpha = 2 coincide with the primal maps (q = p/S and q = p + R/k), and
+alpha = +inf is water-filling (Appendix illus-pd). Every other alpha > 1 is solved by the nested
+root finding of Algorithm alg:dual-renormalization, in log space:
+
+  * outer: s = log nu, bracketed by nu in [R/k, R / sum_i p_i^(2-alpha)] (1 < alpha < 2) or
+    nu in [max((R/k)^(alpha-1), R / sum_i p_i^(2-alpha)), R/k] (alpha > 2), from bounds on
+    q_i^(2-alpha), and by nu <= 1 - max_i p_i (Theorem d-ren); Newton on sum_i q_i(s) - 1, which
+    is convex and increasing in s;
+  * inner: y_i = log(q_i / p_i) > 0 solves
+    H(y) = (alpha-1) y + log(1 - e^-y) = s - (alpha-1) log p_i, with H increasing from -inf to
+    +inf, by safeguarded Newton in z = log y, warm-started from the previous outer iterate.
+
+Zero entries in the support get q_i = nu^(1/(alpha-1)). ``log_p`` is ``[..., K]`` sorted
+decreasingly; ``k`` gives the support size of each row; the result is log q, -inf off the support.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .numerics import log1mexp, logsumexp_masked
+from .primal import (
+    MAX_ITERATIONS,
+    NEWTON_TOLERANCE,
+    _normalized,
+    kl_log_renorm,
+    square_log_renorm,
+    support_mask,
+    water_filling_log_renorm,
+)
+
+Tensor = torch.Tensor
+
+_LOG1MEXP_AT_ONE = math.log(1.0 - math.exp(-1.0))
+
+
+def _inner_solve(beta: Tensor, target: Tensor, z: Tensor, low: Tensor, high: Tensor) -> Tensor:
+    """Solve H(e^z) = target for z, elementwise, by safeguarded Newton from the warm start z.
+
+    H(y) = beta y + log(1 - e^-y); dH/dz = beta y + y / expm1(y). Bracket:
+    y_lo = min(1, e^(target - beta)) (H(y) <= beta y + log y) and
+    y_hi = max(1, (target - log(1 - 1/e)) / beta) (H(y) >= beta y + log(1 - 1/e) for y >= 1).
+    """
+    z = torch.where((z > low) & (z < high), z, 0.5 * (low + high))
+    for _ in range(MAX_ITERATIONS):
+        y = torch.exp(z)
+        value = beta * y + log1mexp(y) - target
+        step = value / (beta * y + y / torch.expm1(y))
+        # Rounding in value scales with the size of its terms.
+        done = (value.abs() <= 1e-15 * (1.0 + target.abs() + beta * y)) | (
+            step.abs() <= 1e-15 * (1.0 + z.abs()))
+        if bool(done.all()):
+            break
+        low = torch.where(value < 0, z, low)
+        high = torch.where(value > 0, z, high)
+        proposal = z - step
+        inside = (proposal > low) & (proposal < high)
+        z = torch.where(done, z, torch.where(inside, proposal, 0.5 * (low + high)))
+    return z
+
+
+def nested_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Tensor,
+                      k: Tensor) -> Tensor:
+    """Any finite alpha > 1: the nested root finding of Algorithm alg:dual-renormalization.
+
+    Outer Newton on s = log nu for sum_i q_i(s) - 1, which is convex and increasing (y_i is convex
+    in s and q_i = p_i e^(y_i)), started at the upper end of the bracket so that the iterates
+    decrease monotonically; inner Newton for each y_i, warm-started from the previous outer step.
+    """
+    dtype = log_p.dtype
+    b = alpha.to(dtype) - 1.0
+    beta = b.unsqueeze(-1)
+    finite = torch.isfinite(log_p) & mask
+    keep = mask.to(dtype)
+    lp = torch.where(finite, log_p, 0.0)
+    log_ratio = log_deficit - torch.log(k.to(dtype))
+    # sum_i p_i^(2 - alpha) over the positive support entries.
+    log_power_sum = logsumexp_masked((1.0 - beta) * lp, finite)
+    has_zero = (mask & ~finite).any(-1)
+    below_two = b < 1.0
+    low = torch.where(below_two, log_ratio, b * log_ratio)
+    low = torch.where(below_two | has_zero, low, torch.maximum(low, log_deficit - log_power_sum))
+    high = torch.where(below_two, log_deficit - log_power_sum, log_ratio)
+    low, high = torch.minimum(low, high), torch.maximum(low, high)
+    # nu <= phi''(1) (1 - max p) = 1 - p_1 (Theorem d-ren): there q_1 = 1 and every q_i <= 1.
+    high = torch.minimum(high, torch.log1p(-torch.exp(lp[..., 0])))
+    low = torch.minimum(low, high)
+    # Start: nu = R / sum_i q_i^(2 - alpha) at q = p + R/k (the alpha = 2 solution, exact there).
+    shifted = torch.logaddexp(lp, log_ratio.unsqueeze(-1))
+    start = log_deficit - logsumexp_masked((1.0 - beta) * shifted, mask)
+    start = torch.where((start > low) & (start < high), start, high)
+
+    def inner_bracket(target: Tensor) -> tuple[Tensor, Tensor]:
+        return (torch.clamp_max(target - beta, 0.0),
+                torch.log(torch.clamp_min((target - _LOG1MEXP_AT_ONE) / beta, 1.0)))
+
+    def outputs(s_value: Tensor, z_start: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        target = s_value.unsqueeze(-1) - beta * lp
+        z_new = _inner_solve(beta, target, z_start, *inner_bracket(target))
+        y = torch.exp(z_new)
+        q = torch.exp(torch.where(finite, lp + y, s_value.unsqueeze(-1) / beta)) * keep
+        # dq_i/ds = q_i / H'(y_i), 1 / H'(y) = expm1(y) / (beta expm1(y) + 1); zeros: q_i / beta.
+        em1 = torch.expm1(y)
+        rate = torch.where(finite, em1 / (beta * em1 + 1.0), 1.0 / beta)
+        return q, rate, z_new
+
+    s = start
+    z = torch.zeros_like(log_p)
+    for _ in range(MAX_ITERATIONS):
+        q, rate, z = outputs(s, z)
+        value = q.sum(-1) - 1.0
+        step = value / (q * rate).sum(-1)
+        done = (value.abs() <= NEWTON_TOLERANCE) | (step.abs() <= 2e-16 * (1.0 + s.abs()))
+        if bool(done.all()):
+            break
+        low = torch.where(value < 0, s, low)
+        high = torch.where(value > 0, s, high)
+        proposal = s - step
+        inside = (proposal > low) & (proposal < high) & torch.isfinite(proposal)
+        s = torch.where(done, s, torch.where(inside, proposal, 0.5 * (low + high)))
+    target = s.unsqueeze(-1) - beta * lp
+    y = torch.exp(_inner_solve(beta, target, z, *inner_bracket(target)))
+    log_q = torch.where(finite, lp + y, s.unsqueeze(-1) / beta)
+    return _normalized(log_q, mask)
+
+
+def dual_log_renorm(log_p: Tensor, k: Tensor, alpha: Tensor, log_deficit: Tensor) -> Tensor:
+    """T*_alpha on the top-k entries of each row, in log space (alpha >= 1, +inf allowed).
+
+    Arguments as in `primal_log_renorm`.
+    """
+    mask = support_mask(k, log_p.shape[-1])
+    shape = log_p.shape
+    lp = log_p.reshape(-1, shape[-1])
+    mk = mask.reshape(-1, shape[-1])
+    ld = log_deficit.reshape(-1)
+    kk = k.reshape(-1)
+    a = alpha.to(log_p.dtype).reshape(-1)
+    out = torch.full_like(lp, -math.inf)
+    left = torch.ones_like(a, dtype=torch.bool)
+
+    def run(rows: Tensor, fn) -> None:
+        index = rows.nonzero().squeeze(-1)
+        if index.numel():
+            out[index] = fn(index)
+
+    no_deficit = torch.isneginf(ld)
+    cases = (
+        (no_deficit | (a == 1.0), lambda i: kl_log_renorm(lp[i], mk[i])),
+        (a == 2.0, lambda i: square_log_renorm(lp[i], mk[i], ld[i], kk[i])),
+        (a == math.inf, lambda i: water_filling_log_renorm(lp[i], mk[i], ld[i])),
+    )
+    for rows, fn in cases:
+        rows = rows & left
+        run(rows, fn)
+        left &= ~rows
+    run(left, lambda i: nested_log_renorm(lp[i], mk[i], a[i], ld[i], kk[i]))
+    return out.reshape(shape)

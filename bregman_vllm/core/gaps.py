@@ -1,0 +1,132 @@
+"""The cost gap G(k) = cost(k) - cost(k + 1) + lambda that decides k* (Theorem convex_cost).
+
+cost(k) (eq. regularised-cost) is discretely convex, so with L(k) = cost(k) - lambda k the gaps
+G(k) = L(k) - L(k+1) are nonincreasing and
+
+    k* = min { k : G(k) <= lambda }        (ties go to the smaller support, as in Algorithm
+                                              alg:binary-search).
+
+We never form L(k) itself (it is a sum over the whole vocabulary); G(k) is written as a sum of
+nonnegative terms over the top k+1 entries, so it has no cancellation:
+
+Primal. T_k is the Bregman projection onto the face {supp q in [k], sum q = 1}, which contains the
+face of size k, so the Bregman Pythagorean identity (equivalently eqs. L-eq and W of Appendix
+app:proof_discrete_convexity_primal) gives
+
+    G(k) = D_phi(T_k(p), T_(k+1)(p)) = sum_{i<=k} d_phi(q_i, q'_i) + d_phi(0, q'_(k+1)),
+
+with q = T_k(p), q' = T_(k+1)(p). For phi_alpha, d(0, q') = q'^alpha / alpha.
+
+Dual. With nu' the multiplier of T*_(k+1) and theta_x(y) = phi''(y)(y - x), eq. (ren-dual) gives
+sum_{i<=k} (q_i - q'_i) = q'_(k+1), hence
+
+    G*(k) = sum_{i<=k} [d(p_i, q_i) - d(p_i, q'_i) - theta_{p_i}(q'_i)(q_i - q'_i)]
+            + q'^(alpha-1) [(alpha-1)^2 (q' - p) + p] / (alpha (alpha-1))     (at index k+1),
+
+where every bracket is >= 0 by convexity of d(p_i, .) on [p_i, 1] (dual validity), as
+q_i >= q'_i >= p_i.
+
+Closed forms over all k at once (prefix sums; S_k = sum_{i<=k} p_i, R_k = 1 - S_k):
+    primal alpha = 1:    G(k) = log(1 + p_(k+1) / S_k)              (cost(k) = -log S_k + lambda k)
+    alpha = 2 (both):    G(k) = (k p_(k+1) + R_k)^2 / (2 k (k+1))
+    primal alpha = 3/2:  G(k) = 2/3 [(c_k - c_(k+1))^2 (3 r_k + 2k c_k + k c_(k+1))
+                                      + (sqrt(p_(k+1)) + c_(k+1))^3],
+                         r_k = sum_{i<=k} sqrt(p_i), c_k = R_k / (sqrt(r_k^2 + k R_k) + r_k).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .numerics import bregman_alpha_kernel, logsubexp, logsumexp_masked
+
+Tensor = torch.Tensor
+
+
+def primal_log_gap(log_q: Tensor, log_q_next: Tensor, m: Tensor, alpha: Tensor) -> Tensor:
+    """log G(m) for the primal alpha family from log T_m and log T_(m+1) (``[..., W]``)."""
+    width = log_q.shape[-1]
+    positions = torch.arange(width, device=log_q.device)
+    inside = positions < m.unsqueeze(-1)
+    a = alpha.to(log_q.dtype).unsqueeze(-1)
+    rho = torch.where(inside, log_q - log_q_next, 0.0)
+    terms = a * log_q_next + bregman_alpha_kernel(a, rho)
+    added = torch.gather(log_q_next, -1, m.unsqueeze(-1)).squeeze(-1)  # q'_(m+1)
+    last = alpha.to(log_q.dtype) * added - torch.log(alpha.to(log_q.dtype))
+    return torch.logaddexp(logsumexp_masked(terms, inside), last)
+
+
+def dual_log_gap(log_p: Tensor, log_q: Tensor, log_q_next: Tensor, m: Tensor,
+                 alpha: Tensor) -> Tensor:
+    """log G*(m) for the dual alpha family (alpha > 1) from log T*_m and log T*_(m+1)."""
+    width = log_q.shape[-1]
+    positions = torch.arange(width, device=log_q.device)
+    inside = positions < m.unsqueeze(-1)
+    a = alpha.to(log_q.dtype)
+    b = a - 1.0
+    acol, bcol = a.unsqueeze(-1), b.unsqueeze(-1)
+    rho = torch.where(inside, log_q - log_q_next, 0.0)
+    lp = torch.where(inside, log_p, 0.0)
+    # R_i = beta q'^alpha K_alpha(rho) + (2 - alpha) p q'^beta K_beta(rho).
+    first = torch.log(bcol) + acol * log_q_next + bregman_alpha_kernel(acol, rho)
+    second = (torch.log((2.0 - acol).abs()) + lp + bcol * log_q_next
+              + bregman_alpha_kernel(bcol, rho))
+    log_r = torch.where(acol <= 2.0, torch.logaddexp(first, second), logsubexp(first, second))
+    index = m.unsqueeze(-1)
+    lq1 = torch.gather(log_q_next, -1, index).squeeze(-1)
+    lp1 = torch.gather(log_p, -1, index).squeeze(-1)
+    # E = q'^beta [beta^2 (q' - p) + p] / (alpha beta), with q' - p = p expm1(log q' - log p).
+    moved = lp1 + torch.log(torch.expm1((lq1 - lp1).clamp_min(0.0)))
+    inner = torch.logaddexp(2.0 * torch.log(b) + moved, lp1)
+    last = b * lq1 + inner - torch.log(a * b)
+    return torch.logaddexp(logsumexp_masked(log_r, inside), last)
+
+
+def kl_gaps(prefix: Tensor, x: Tensor) -> Tensor:
+    """alpha = 1, both modes' convention: G(k) = log1p(p_(k+1) / S_k), k = 1..W-1 (``[N, W-1]``)."""
+    return torch.log1p(x[..., 1:] / prefix[..., :-1])
+
+
+def square_gaps(x: Tensor, deficit: Tensor) -> Tensor:
+    """alpha = 2: G(k) = (k p_(k+1) + R_k)^2 / (2 k (k+1)), k = 1..W-1.
+
+    ``deficit[..., j]`` is R_j = 1 - S_j for j = 0..W.
+    """
+    width = x.shape[-1]
+    k = torch.arange(1, width, device=x.device, dtype=x.dtype)
+    return (k * x[..., 1:] + deficit[..., 1:width]) ** 2 / (2.0 * k * (k + 1.0))
+
+
+def three_halves_gaps(x: Tensor, deficit: Tensor) -> Tensor:
+    """Primal alpha = 3/2 gaps for k = 1..W-1 (see the module docstring)."""
+    width = x.shape[-1]
+    k = torch.arange(1, width + 1, device=x.device, dtype=x.dtype)  # k = 1..W
+    root = torch.sqrt(x)
+    r = torch.cumsum(root, -1)  # r_k for k = 1..W
+    big_r = deficit[..., 1:width + 1]  # R_k for k = 1..W
+    c = big_r / (torch.sqrt(r * r + k * big_r) + r)
+    ck, cn = c[..., :-1], c[..., 1:]
+    kk = k[:-1]
+    moved = (ck - cn) ** 2 * (3.0 * r[..., :-1] + 2.0 * kk * ck + kk * cn)
+    return (2.0 / 3.0) * (moved + (root[..., 1:] + cn) ** 3)
+
+
+def closed_form_gaps(mode: str, alpha: float, x: Tensor, deficit: Tensor) -> Tensor | None:
+    """All gaps G(1..W-1) in closed form, or None when this (mode, alpha) has none."""
+    if alpha == 2.0:
+        return square_gaps(x, deficit)
+    if mode == "primal" and alpha == 1.0:
+        prefix = torch.cumsum(x, -1)
+        return kl_gaps(prefix, x)
+    if mode == "primal" and alpha == 1.5:
+        return three_halves_gaps(x, deficit)
+    return None
+
+
+def has_closed_form(mode: str, alpha: float) -> bool:
+    return alpha == 2.0 or (mode == "primal" and alpha in (1.0, 1.5))
+
+
+LOG_ZERO = -math.inf

@@ -1,0 +1,278 @@
+"""Primal alpha-renormalization T_alpha on a fixed support (eq. ren, Definition alpha-ren-def).
+
+For phi_alpha(x) = x^alpha / (alpha (alpha - 1)), f = phi' and eq. (ren) give
+
+    q_i^(alpha-1) = p_i^(alpha-1) + t,   t chosen so that sum_i q_i = 1,
+
+with the closed forms of Proposition alpha-special-cases:
+
+    alpha = 1     q = p / S                                  (standard top-k)
+    alpha = 3/2   q_i = (sqrt(p_i) + c)^2, c = R / (sqrt(r^2 + k R) + r)
+    alpha = 2     q_i = p_i + R / k
+    alpha = +inf  q_i = max(p_i, c)                          (water-filling)
+    alpha = -inf  q_i = p_i + R 1[i = argmax]                 (ties share R equally)
+
+where S = sum_i p_i, R = 1 - S, r = sum_i sqrt(p_i). Every other alpha is solved by safeguarded
+Newton iteration on one scalar per row, with every q_i explicit in it:
+
+    q_i^beta = p_i^beta + c^beta     (beta = alpha - 1 > 0; c is the "water level")
+    q_i^beta = p_i^beta + q_1^beta - p_1^beta     (beta < 0; the scalar is log q_1)
+
+evaluated in log space so that alpha = 1000 (the water-filling limit) and alpha -> 1 (the top-k
+limit) neither overflow nor lose precision.
+
+All functions take a batch of sorted supports: ``log_p`` is ``[..., K]`` sorted in decreasing order,
+``k`` (``[...]``) is the support size of each row (entries at positions >= k are ignored), and the
+result is ``log q`` with -inf outside the support.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .numerics import log_expm1, logsumexp_masked
+
+Tensor = torch.Tensor
+
+NEWTON_TOLERANCE = 1e-14
+MAX_ITERATIONS = 100
+
+
+def support_mask(k: Tensor, width: int) -> Tensor:
+    """[..., width] boolean mask of positions < k."""
+    positions = torch.arange(width, device=k.device)
+    return positions < k.unsqueeze(-1)
+
+
+def kl_log_renorm(log_p: Tensor, mask: Tensor) -> Tensor:
+    """alpha = 1 (KL): q = p / S, i.e. standard top-k renormalization (eq. topk)."""
+    log_s = logsumexp_masked(log_p, mask)
+    return torch.where(mask, log_p - log_s.unsqueeze(-1), -math.inf)
+
+
+def square_log_renorm(log_p: Tensor, mask: Tensor, log_deficit: Tensor, k: Tensor) -> Tensor:
+    """alpha = 2: q_i = p_i + R / k (Proposition alpha-special-cases)."""
+    shift = (log_deficit - torch.log(k.to(log_p.dtype))).unsqueeze(-1)
+    return torch.where(mask, torch.logaddexp(log_p, shift), -math.inf)
+
+
+def three_halves_log_renorm(log_p: Tensor, mask: Tensor, log_deficit: Tensor,
+                            k: Tensor) -> Tensor:
+    """alpha = 3/2: q_i = (sqrt(p_i) + c)^2 with c = R / (sqrt(r^2 + k R) + r).
+
+    This is the paper's c = [sqrt(r^2 + k(1 - s)) - r] / k, rationalized so that it does not
+    cancel when k R is small against r^2.
+    """
+    half = torch.where(mask, 0.5 * log_p, -math.inf)
+    log_r = logsumexp_masked(half, mask)
+    kk = k.to(log_p.dtype)
+    # sqrt(r^2 + k R) in log space: 0.5 * logaddexp(2 log r, log k + log R).
+    log_root = 0.5 * torch.logaddexp(2.0 * log_r, torch.log(kk) + log_deficit)
+    log_c = log_deficit - torch.logaddexp(log_root, log_r)
+    return torch.where(mask, 2.0 * torch.logaddexp(half, log_c.unsqueeze(-1)), -math.inf)
+
+
+def water_filling_log_renorm(log_p: Tensor, mask: Tensor, log_deficit: Tensor) -> Tensor:
+    """alpha = +inf: q_i = max(p_i, c) with sum_i q_i = 1 (Proposition alpha-special-cases).
+
+    With j entries above the water, c_j = (1 - S_j) / (k - j); the level is c_j for the smallest
+    j with c_j >= p_(j+1). 1 - S_j is formed as R plus the masked suffix sum (no cancellation).
+    """
+    p = torch.where(mask, torch.exp(log_p), 0.0)
+    width = p.shape[-1]
+    suffix = torch.flip(torch.cumsum(torch.flip(p, [-1]), -1), [-1])  # sum_{i >= j} p_i
+    deficit = torch.exp(log_deficit).unsqueeze(-1)
+    above = deficit + suffix  # 1 - S_j for j = 0..width-1 (entries before j are above water)
+    k = mask.sum(-1, keepdim=True)
+    j = torch.arange(width, device=p.device)
+    level = above / (k - j).clamp_min(1).to(p.dtype)
+    valid = (level >= p) & (j < k)
+    first = torch.where(valid, j, width).amin(-1, keepdim=True).clamp_max(width - 1)
+    c = torch.gather(level, -1, first)
+    return torch.where(mask, torch.log(torch.maximum(p, c)), -math.inf)
+
+
+def argmax_fill_log_renorm(log_p: Tensor, mask: Tensor, log_deficit: Tensor) -> Tensor:
+    """alpha = -inf: the whole deficit goes to the largest entry, shared equally among ties."""
+    top = log_p[..., :1]
+    tied = mask & (log_p == top)
+    count = tied.sum(-1).to(log_p.dtype)
+    shift = (log_deficit - torch.log(count)).unsqueeze(-1)
+    out = torch.where(tied, torch.logaddexp(log_p, shift), log_p)
+    return torch.where(mask, out, -math.inf)
+
+
+def _softplus(x: Tensor) -> Tensor:
+    """log(1 + e^x) in one fused op; the cut-off at 40 is below float64 resolution."""
+    return torch.nn.functional.softplus(x, beta=1.0, threshold=40.0)
+
+
+def _level_log_q(log_p: Tensor, finite: Tensor, beta: Tensor, tau: Tensor) -> Tensor:
+    """beta > 0: log q_i for the water level tau = log c (q_i^beta = p_i^beta + c^beta).
+
+    log q_i = log p_i + softplus(beta (tau - log p_i)) / beta is convex and increasing in tau; zero
+    entries get q_i = c. alpha -> inf gives max(p_i, c) (water-filling), alpha -> 1 the KL shift.
+    """
+    b = beta.unsqueeze(-1)
+    level = tau.unsqueeze(-1)
+    log_q = log_p + _softplus(b * (level - log_p)) / b
+    return torch.where(finite, log_q, level)
+
+
+def _top_log_q(log_p: Tensor, finite: Tensor, beta: Tensor, delta: Tensor) -> Tensor:
+    """beta < 0: log q_i for delta = log q_1 - log p_1 >= 0 (q_i^beta = p_i^beta + q_1^beta -
+    p_1^beta).
+
+    With g_i = log p_1 - log p_i >= 0, (q_i / p_i)^beta = 1 + w_i = -expm1(beta g_i) +
+    e^(beta (g_i + delta)), a sum of two nonnegative terms; zero entries stay zero (f(0) = -inf).
+    """
+    b = beta.unsqueeze(-1)
+    d = delta.unsqueeze(-1)
+    gap = log_p[..., :1] - log_p
+    w = torch.exp(b * gap) * torch.expm1(b * d)
+    near = torch.log1p(w.clamp_min(-0.5))
+    far = torch.logaddexp(torch.log(-torch.expm1(b * gap)), b * (gap + d))
+    log_q = log_p + torch.where(w > -0.5, near, far) / b
+    return torch.where(finite, log_q, -math.inf)
+
+
+def _newton(evaluate, x: Tensor, low: Tensor, high: Tensor) -> Tensor:
+    """Safeguarded Newton for an increasing, convex F with F(low) <= 0 <= F(high).
+
+    ``evaluate(x) -> (F(x), F'(x))``. From a start with F >= 0 the iterates decrease
+    monotonically to the root (convexity); a step that leaves the bracket bisects instead. A row
+    stops once |F| <= NEWTON_TOLERANCE or its step is below float64 resolution.
+    """
+    for _ in range(MAX_ITERATIONS):
+        value, slope = evaluate(x)
+        step = value / slope
+        done = (value.abs() <= NEWTON_TOLERANCE) | (step.abs() <= 2e-16 * (1.0 + x.abs()))
+        if bool(done.all()):
+            break
+        low = torch.where(value < 0, x, low)
+        high = torch.where(value > 0, x, high)
+        proposal = x - step
+        inside = (proposal > low) & (proposal < high) & torch.isfinite(proposal)
+        x = torch.where(done, x, torch.where(inside, proposal, 0.5 * (low + high)))
+    return x
+
+
+def _normalized(log_q: Tensor, mask: Tensor) -> Tensor:
+    """Mask and remove the last rounding of the constraint (|sum q - 1| <= 1e-14)."""
+    log_q = torch.where(mask, log_q, -math.inf)
+    return log_q - logsumexp_masked(log_q, mask).unsqueeze(-1)
+
+
+def newton_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Tensor,
+                      k: Tensor) -> Tensor:
+    """Any finite alpha != 0: solve sum_i q_i = 1 with q_i from eq. (ren) by safeguarded Newton.
+
+    beta = alpha - 1 > 0, in the water level tau = log c: sum_i q_i(tau) is convex and increasing.
+    The start tau_KL (q_1 equal to its KL value p_1 / S) has sum q >= 1, so Newton decreases
+    monotonically to the root. Lower end of the bracket: tau = log(R/k) for beta >= 1 (since
+    (a^b + c^b)^(1/b) <= a + c) and log(beta R/k)/beta for beta < 1 (mean value theorem); for
+    beta < 1, log(R/k) is a second right end, and the start is the smaller of the two.
+    beta < 0, in delta = log q_1 - log p_1 on [0, -log p_1], from the KL value -log S.
+    """
+    dtype = log_p.dtype
+    beta = alpha.to(dtype) - 1.0
+    finite = torch.isfinite(log_p) & mask
+    keep = mask.to(dtype)
+    lp = torch.where(finite, log_p, 0.0)  # finite placeholder; masked out of every sum
+    top = lp[..., 0]
+    log_s = logsumexp_masked(log_p, finite)
+    out = torch.empty_like(log_p)
+
+    up = beta > 0
+    if bool(up.any()):
+        i = up.nonzero().squeeze(-1)
+        lpi, fin, kp, b = lp[i], finite[i], keep[i], beta[i]
+        log_ratio = log_deficit[i] - torch.log(k[i].to(dtype))
+        low = torch.where(b >= 1, log_ratio, (torch.log(b) + log_ratio) / b)
+        high = top[i] + log_expm1(-b * top[i]) / b  # q_1 = 1
+        start = top[i] + log_expm1(-b * log_s[i]) / b  # q_1 = p_1 / S
+        start = torch.where(b < 1, torch.minimum(start, log_ratio), start).minimum(high)
+        low = torch.minimum(low, start)
+        bcol = b.unsqueeze(-1)
+
+        def level_equation(tau: Tensor) -> tuple[Tensor, Tensor]:
+            z = bcol * (tau.unsqueeze(-1) - lpi)
+            q = torch.exp(torch.where(fin, lpi + _softplus(z) / bcol, tau.unsqueeze(-1))) * kp
+            return q.sum(-1) - 1.0, (q * torch.where(fin, torch.sigmoid(z), 1.0)).sum(-1)
+
+        tau = _newton(level_equation, start, low, high)
+        out[i] = _normalized(_level_log_q(lpi, fin, b, tau), mask[i])
+
+    down = ~up
+    if bool(down.any()):
+        i = down.nonzero().squeeze(-1)
+        lpi, fin, kp, b = log_p[i], finite[i], keep[i], beta[i]
+        high = (-top[i]).clamp_min(0.0)
+        low = torch.zeros_like(high)
+        u_col = (top[i]).unsqueeze(-1)
+        bcol = b.unsqueeze(-1)
+
+        def top_equation(delta: Tensor) -> tuple[Tensor, Tensor]:
+            log_q = torch.where(mask[i], _top_log_q(lpi, fin, b, delta), -math.inf)
+            q = torch.exp(log_q)
+            # d log q_i / d delta = (q_1 / q_i)^beta.
+            weight = torch.exp(bcol * (u_col + delta.unsqueeze(-1) - log_q)) * kp
+            return q.sum(-1) - 1.0, (q * torch.nan_to_num(weight)).sum(-1)
+
+        start = (-log_s[i]).clamp_min(0.0).minimum(high)
+        delta = _newton(top_equation, start, low, high)
+        out[i] = _normalized(_top_log_q(lpi, fin, b, delta), mask[i])
+    return out
+
+
+PRIMAL_CLOSED_FORMS = (1.0, 1.5, 2.0, math.inf, -math.inf)
+
+
+def primal_log_renorm(log_p: Tensor, k: Tensor, alpha: Tensor, log_deficit: Tensor) -> Tensor:
+    """T_alpha on the top-k entries of each row, in log space.
+
+    Args:
+        log_p: ``[..., K]`` log-probabilities sorted in decreasing order.
+        k: ``[...]`` support sizes, 1 <= k <= K.
+        alpha: ``[...]`` exponents (any value except 0; +-inf allowed).
+        log_deficit: ``[...]`` log(1 - S_k), the mass left outside the support (-inf if none).
+
+    Returns:
+        ``[..., K]`` log q, normalized, -inf at positions >= k.
+    """
+    mask = support_mask(k, log_p.shape[-1])
+    alpha = alpha.to(log_p.dtype)
+    out = torch.full_like(log_p, -math.inf)
+    flat_alpha = alpha.reshape(-1)
+    rows_left = torch.ones_like(flat_alpha, dtype=torch.bool)
+    shape = log_p.shape
+
+    def run(rows: Tensor, fn) -> None:
+        index = rows.nonzero().squeeze(-1)
+        if index.numel() == 0:
+            return
+        flat = out.view(-1, shape[-1])
+        flat[index] = fn(index)
+
+    lp = log_p.reshape(-1, shape[-1])
+    mk = mask.reshape(-1, shape[-1])
+    ld = log_deficit.reshape(-1)
+    kk = k.reshape(-1)
+    no_deficit = torch.isneginf(ld)
+    run(no_deficit, lambda i: kl_log_renorm(lp[i], mk[i]))
+    rows_left &= ~no_deficit
+    cases = (
+        (1.0, lambda i: kl_log_renorm(lp[i], mk[i])),
+        (1.5, lambda i: three_halves_log_renorm(lp[i], mk[i], ld[i], kk[i])),
+        (2.0, lambda i: square_log_renorm(lp[i], mk[i], ld[i], kk[i])),
+        (math.inf, lambda i: water_filling_log_renorm(lp[i], mk[i], ld[i])),
+        (-math.inf, lambda i: argmax_fill_log_renorm(lp[i], mk[i], ld[i])),
+    )
+    for value, fn in cases:
+        rows = rows_left & (flat_alpha == value)
+        run(rows, fn)
+        rows_left &= ~rows
+    run(rows_left, lambda i: newton_log_renorm(lp[i], mk[i], flat_alpha[i], ld[i], kk[i]))
+    return out

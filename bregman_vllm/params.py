@@ -1,0 +1,327 @@
+"""The one parameter model of Bregman decoding, shared by every entry point.
+
+The math core (`bregman_decode`), the vLLM logits processor (`SamplingParams.extra_args`) and the
+HTTP server (request bodies, server-wide defaults) all validate with the rules below, so a value is
+accepted or refused with the same message everywhere. This module is pure Python: the server
+imports it without importing torch.
+
+Rules (paper sections 2-4; Lemma dual-alpha; Proposition alpha-special-cases):
+
+======  ==============  ==========================================================================
+mode    k               alpha
+======  ==============  ==========================================================================
+primal  adaptive        0 < alpha < inf (for alpha <= 0 dropping a token costs +inf)
+primal  fixed top_k     alpha != 0, and the limits -inf and +inf (Proposition alpha-special-cases)
+dual    adaptive        1 < alpha < inf (dual-valid generators, Lemma dual-alpha)
+dual    fixed top_k     1 <= alpha <= inf
+======  ==============  ==========================================================================
+
+`lam` (lambda, the l0 price per kept token) is a finite number >= 0; `top_k` and `k_max` are
+integers >= 1 or absent. `k_max` caps the support size in both the adaptive and the fixed-k case.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+MODES: tuple[str, ...] = ("primal", "dual", "off")
+DECODING_MODES: tuple[str, ...] = ("primal", "dual")
+
+DEFAULT_MODE = "primal"
+DEFAULT_ALPHA = 1.5
+DEFAULT_LAMBDA = 0.01
+
+#: The request keys (``SamplingParams.extra_args`` / ``vllm_xargs`` / HTTP body fields).
+REQUEST_KEYS: tuple[str, ...] = (
+    "bregman_mode",
+    "bregman_alpha",
+    "bregman_lambda",
+    "bregman_top_k",
+    "bregman_k_max",
+)
+
+
+class BregmanParamError(ValueError):
+    """A Bregman parameter is out of range. ``field`` names the offending parameter."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.reason = message
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """Documentation of one request field: used for the OpenAPI schema and the README table."""
+
+    name: str
+    type: str
+    allowed: str
+    default: str
+    description: str
+
+
+FIELD_SPECS: tuple[FieldSpec, ...] = (
+    FieldSpec(
+        "bregman_mode",
+        'string: "primal" | "dual" | "off"',
+        '"primal", "dual" or "off"',
+        f'the server default; "{DEFAULT_MODE}" when other bregman fields are sent and the server '
+        'default is "off"',
+        "Which Bregman problem to solve: primal projection D(q, p), dual projection D(p, q), or "
+        "'off' for plain sampling.",
+    ),
+    FieldSpec(
+        "bregman_alpha",
+        'number, or the strings "inf" / "-inf"',
+        "adaptive primal: (0, inf); fixed-k primal: any value except 0, including -inf and inf; "
+        "adaptive dual: (1, inf); fixed-k dual: [1, inf]",
+        str(DEFAULT_ALPHA),
+        "Exponent of the generator phi(x) = x^alpha / (alpha (alpha - 1)). alpha = 1 is the KL "
+        "divergence (standard top-k renormalization); larger alpha spreads the mass more evenly "
+        "over the kept tokens (inf = water-filling); alpha < 1 concentrates it on the top tokens.",
+    ),
+    FieldSpec(
+        "bregman_lambda",
+        "number",
+        "[0, inf), finite",
+        str(DEFAULT_LAMBDA),
+        "Sparsity price per kept token. 0 keeps every token with nonzero probability; larger "
+        "values keep fewer tokens. Ignored when bregman_top_k is set.",
+    ),
+    FieldSpec(
+        "bregman_top_k",
+        "integer",
+        "integer >= 1",
+        "absent (adaptive k*)",
+        "Fixed support size: generalized top-k (keep the k most likely tokens, renormalize with "
+        "the primal or dual alpha map) instead of the adaptive k*.",
+    ),
+    FieldSpec(
+        "bregman_k_max",
+        "integer",
+        "integer >= 1",
+        "absent (no cap)",
+        "Upper bound on the support size k* (and on bregman_top_k).",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class AlphaRange:
+    """An interval of allowed alpha values, with its own human-readable description."""
+
+    low: float
+    high: float
+    low_closed: bool
+    high_closed: bool
+    exclude_zero: bool = False
+    why: str = ""
+
+    def contains(self, alpha: float) -> bool:
+        if math.isnan(alpha):
+            return False
+        if self.exclude_zero and alpha == 0.0:
+            return False
+        above = alpha >= self.low if self.low_closed else alpha > self.low
+        below = alpha <= self.high if self.high_closed else alpha < self.high
+        return above and below
+
+    def text(self) -> str:
+        left = "[" if self.low_closed else "("
+        right = "]" if self.high_closed else ")"
+        body = f"{left}{_fmt(self.low)}, {_fmt(self.high)}{right}"
+        return body + (" excluding 0" if self.exclude_zero else "")
+
+
+ALPHA_RANGES: dict[tuple[str, bool], AlphaRange] = {
+    ("primal", False): AlphaRange(
+        0.0, math.inf, False, False,
+        why="adaptive primal decoding needs alpha > 0 (for alpha <= 0 dropping any token costs "
+        "+inf) and a finite alpha (use bregman_top_k for the inf / -inf limits)",
+    ),
+    ("primal", True): AlphaRange(
+        -math.inf, math.inf, True, True, exclude_zero=True,
+        why="the primal alpha family is defined for every alpha except 0",
+    ),
+    ("dual", False): AlphaRange(
+        1.0, math.inf, False, False,
+        why="adaptive dual decoding needs a dual-valid generator, alpha > 1 (Lemma dual-alpha), "
+        "and a finite alpha",
+    ),
+    ("dual", True): AlphaRange(
+        1.0, math.inf, True, True,
+        why="the dual renormalization map is defined for alpha >= 1",
+    ),
+}
+
+
+def alpha_range(mode: str, fixed_k: bool) -> AlphaRange:
+    """The allowed alpha interval for a decoding mode and for fixed-k vs adaptive selection."""
+    return ALPHA_RANGES[(mode, fixed_k)]
+
+
+def _fmt(value: float) -> str:
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return f"{value:g}"
+
+
+def parse_alpha(value: Any, field: str = "bregman_alpha") -> float:
+    """A float from a number or from the strings "inf", "+inf", "-inf", "infinity" (any case)."""
+    if isinstance(value, bool):
+        raise BregmanParamError(field, f"must be a number, got boolean {value!r}")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        text = value.strip().lower()
+        aliases = {"inf": math.inf, "+inf": math.inf, "infinity": math.inf,
+                   "+infinity": math.inf, "-inf": -math.inf, "-infinity": -math.inf}
+        if text in aliases:
+            number = aliases[text]
+        else:
+            try:
+                number = float(text)
+            except ValueError:
+                raise BregmanParamError(
+                    field, f'must be a number or "inf" / "-inf", got {value!r}') from None
+    else:
+        raise BregmanParamError(field, f"must be a number, got {type(value).__name__}")
+    if math.isnan(number):
+        raise BregmanParamError(field, "must be a number, got NaN")
+    return number
+
+
+def parse_lambda(value: Any, field: str = "bregman_lambda") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise BregmanParamError(field, f"must be a number >= 0, got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise BregmanParamError(field, f"must be a number >= 0, got {value!r}") from None
+    if not math.isfinite(number) or number < 0:
+        raise BregmanParamError(field, f"must be a finite number in [0, inf), got {value!r}")
+    return number
+
+
+def parse_support_size(value: Any, field: str) -> int | None:
+    """An integer >= 1, or None. Integral floats (5.0, from JSON) are accepted."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise BregmanParamError(field, f"must be an integer >= 1, got {value!r}")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, str) and value.strip().lstrip("+").isdigit():
+        value = int(value)
+    if not isinstance(value, int):
+        raise BregmanParamError(field, f"must be an integer >= 1, got {value!r}")
+    if value < 1:
+        raise BregmanParamError(field, f"must be an integer >= 1, got {value}")
+    return value
+
+
+def parse_mode(value: Any, field: str = "bregman_mode", allow_off: bool = True) -> str:
+    allowed = MODES if allow_off else DECODING_MODES
+    if not isinstance(value, str) or value.strip().lower() not in allowed:
+        choices = " | ".join(f'"{m}"' for m in allowed)
+        raise BregmanParamError(field, f"must be one of {choices}, got {value!r}")
+    return value.strip().lower()
+
+
+def _implied_mode(default_mode: str, present: Mapping[str, Any]) -> str:
+    """Sending any bregman field turns decoding on, even when the server default is "off"."""
+    if default_mode == "off" and present:
+        return DEFAULT_MODE
+    return default_mode
+
+
+def check_alpha(alpha: float, mode: str, fixed_k: bool, field: str = "bregman_alpha") -> None:
+    """Raise `BregmanParamError` unless alpha is allowed for this mode and k selection."""
+    allowed = alpha_range(mode, fixed_k)
+    if not allowed.contains(alpha):
+        selection = "fixed-k" if fixed_k else "adaptive"
+        raise BregmanParamError(
+            field,
+            f"must be in {allowed.text()} for {selection} {mode} decoding, got {_fmt(alpha)}; "
+            f"{allowed.why}",
+        )
+
+
+@dataclass(frozen=True)
+class BregmanParams:
+    """Validated per-request Bregman parameters.
+
+    Example:
+        >>> BregmanParams.from_mapping({"bregman_alpha": 2, "bregman_lambda": 0.001})
+        BregmanParams(mode='primal', alpha=2.0, lam=0.001, top_k=None, k_max=None)
+        >>> BregmanParams.from_mapping({"unrelated": 1}) is None
+        True
+    """
+
+    mode: str = DEFAULT_MODE
+    alpha: float = DEFAULT_ALPHA
+    lam: float = DEFAULT_LAMBDA
+    top_k: int | None = None
+    k_max: int | None = None
+    _validated: bool = field(default=False, repr=False, compare=False)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def validated(self) -> BregmanParams:
+        """Check every field; return a normalized copy. Raises `BregmanParamError`."""
+        mode = parse_mode(self.mode)
+        alpha = parse_alpha(self.alpha)
+        lam = parse_lambda(self.lam)
+        top_k = parse_support_size(self.top_k, "bregman_top_k")
+        k_max = parse_support_size(self.k_max, "bregman_k_max")
+        if mode != "off":
+            check_alpha(alpha, mode, fixed_k=top_k is not None)
+        return BregmanParams(mode, alpha, lam, top_k, k_max, _validated=True)
+
+    @classmethod
+    def from_mapping(
+        cls,
+        values: Mapping[str, Any] | None,
+        defaults: BregmanParams | None = None,
+    ) -> BregmanParams | None:
+        """Parse the ``bregman_*`` keys of a request (other keys are ignored).
+
+        Returns None when the mapping has no bregman key and there are no defaults (the request
+        is left untouched). A key that is present but ``None`` counts as absent.
+        """
+        values = values or {}
+        present = {key: values[key] for key in REQUEST_KEYS if values.get(key) is not None}
+        if not present and defaults is None:
+            return None
+        base = defaults if defaults is not None else cls()
+        params = replace(
+            base,
+            mode=present.get("bregman_mode", _implied_mode(base.mode, present)),
+            alpha=present.get("bregman_alpha", base.alpha),
+            lam=present.get("bregman_lambda", base.lam),
+            top_k=present.get("bregman_top_k", base.top_k),
+            k_max=present.get("bregman_k_max", base.k_max),
+        )
+        return params.validated()
+
+    def to_request(self) -> dict[str, Any]:
+        """The ``bregman_*`` keys for ``vllm_xargs`` / ``SamplingParams.extra_args``.
+
+        Infinite alpha is sent as the string "inf" / "-inf" (JSON has no infinity).
+        """
+        alpha: float | str = self.alpha
+        if math.isinf(self.alpha):
+            alpha = "inf" if self.alpha > 0 else "-inf"
+        out: dict[str, Any] = {"bregman_mode": self.mode, "bregman_alpha": alpha,
+                               "bregman_lambda": self.lam}
+        if self.top_k is not None:
+            out["bregman_top_k"] = self.top_k
+        if self.k_max is not None:
+            out["bregman_k_max"] = self.k_max
+        return out
