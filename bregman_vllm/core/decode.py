@@ -461,11 +461,31 @@ def bregman_decode_logits(
         raise BregmanParamError("logits", "must have at least one dimension (the vocabulary)")
     batch_shape = logits.shape[:-1]
     plan = _plan(batch_shape, logits.device, alpha, lam, mode, k_max, top_k)
-    l2 = _flatten(logits)
+    out, k_out = decode_logits_rows(_flatten(logits), plan)
+    out = out.reshape(logits.shape)
+    if return_k:
+        return out, k_out.reshape(batch_shape)
+    return out
+
+
+def plan_rows(mode: str, alpha: Tensor, lam: Tensor, top_k: Tensor, k_max: Tensor) -> _Plan:
+    """Validate per-row parameters once (e.g. when a vLLM batch changes) for `decode_logits_rows`.
+
+    ``alpha``/``lam`` are float tensors, ``top_k``/``k_max`` int64 tensors with 0 for "not set",
+    all of shape [N].
+    """
+    return _plan(alpha.shape, alpha.device, alpha, lam, mode, k_max.clamp_min(0), top_k)
+
+
+def decode_logits_rows(l2: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:
+    """`bregman_decode_logits` on [N, V] logits with an already validated plan.
+
+    Returns (log q with -inf off the support, k per row).
+    """
     p2 = torch.softmax(l2, -1)
     through, invalid, chunks = _decode(p2, plan)
     out = torch.full_like(l2, -math.inf)
-    k_out = torch.zeros(l2.shape[0], dtype=torch.long, device=logits.device)
+    k_out = torch.zeros(l2.shape[0], dtype=torch.long, device=l2.device)
     through_rows = through.nonzero().squeeze(-1)
     if through_rows.numel():
         kept = l2[through_rows]
@@ -473,10 +493,7 @@ def bregman_decode_logits(
         out[through_rows] = torch.where(bad, kept, torch.log_softmax(kept, -1))
         k_out[through_rows] = torch.where(bad.squeeze(-1), 0, (p2[through_rows] > 0).sum(-1))
     _write(out, k_out, chunks, lambda log_q: log_q.to(l2.dtype))
-    out = out.reshape(logits.shape)
-    if return_k:
-        return out, k_out.reshape(batch_shape)
-    return out
+    return out, k_out
 
 
 def renormalize(x: Tensor, *, alpha, mode: str = "primal") -> Tensor:
