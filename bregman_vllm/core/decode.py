@@ -34,7 +34,13 @@ from ..params import (
 )
 from .dual import dual_log_renorm
 from .gaps import closed_form_gaps, dual_log_gap, has_closed_form, primal_log_gap
-from .primal import primal_log_renorm
+from .generators import (
+    BregmanGenerator,
+    generic_dual_renorm,
+    generic_gap,
+    generic_primal_renorm,
+)
+from .primal import primal_log_renorm, support_mask
 
 Tensor = torch.Tensor
 
@@ -130,11 +136,19 @@ class _Plan(NamedTuple):
     lam: Tensor  # [N] float64
     fixed_k: Tensor  # [N] int64, 0 = adaptive
     k_max: Tensor  # [N] int64, 0 = no cap
+    generator: BregmanGenerator | None = None
 
 
-def _plan(batch_shape, device, alpha, lam, mode, k_max, top_k) -> _Plan:
+def _plan(batch_shape, device, alpha, lam, mode, k_max, top_k, generator=None) -> _Plan:
     mode = parse_mode(mode, "mode", allow_off=False)
-    if alpha is None:
+    if generator is not None:
+        if alpha is not None:
+            raise BregmanParamError("alpha", "give either alpha or generator, not both")
+        if not isinstance(generator, BregmanGenerator):
+            raise BregmanParamError(
+                "generator", "must implement phi, dphi, d2phi and inv_dphi (BregmanGenerator)")
+        alpha = 0.0  # unused placeholder; the generator defines the divergence
+    elif alpha is None:
         raise BregmanParamError("alpha", "is required")
     alpha_rows = _row_values(alpha, "alpha", batch_shape, device, torch.float64)
     lam_rows = _row_values(lam, "lam", batch_shape, device, torch.float64)
@@ -143,13 +157,14 @@ def _plan(batch_shape, device, alpha, lam, mode, k_max, top_k) -> _Plan:
         raise BregmanParamError("lam", f"must be a finite number in [0, inf), got {bad:g}")
     top = _row_sizes(top_k, "top_k", batch_shape, device)
     cap = _row_sizes(k_max, "k_max", batch_shape, device)
-    _check_alpha_rows(alpha_rows, mode, top > 0, "alpha")
+    if generator is None:
+        _check_alpha_rows(alpha_rows, mode, top > 0, "alpha")
     fixed = torch.where(cap > 0, torch.minimum(top, cap), top)
     fixed = torch.where(top > 0, fixed, 0)
     # lambda = 0 keeps every nonzero entry: the adaptive problem becomes fixed k = k_max.
     zero_lam = (top == 0) & (lam_rows == 0)
     fixed = torch.where(zero_lam, cap, fixed)
-    return _Plan(mode, alpha_rows, lam_rows, fixed, cap)
+    return _Plan(mode, alpha_rows, lam_rows, fixed, cap, generator)
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -212,28 +227,39 @@ def _candidates(p: Tensor, width: int) -> _Candidates:
 # ----------------------------------------------------------------------------- renormalization
 
 
-def _log_renorm(mode: str, log_p: Tensor, k: Tensor, alpha: Tensor, log_deficit: Tensor) -> Tensor:
+def _log_renorm(mode: str, log_p: Tensor, k: Tensor, alpha: Tensor, log_deficit: Tensor,
+                generator: BregmanGenerator | None = None) -> Tensor:
+    if generator is not None:
+        mask = support_mask(k, log_p.shape[-1])
+        renorm = generic_primal_renorm if mode == "primal" else generic_dual_renorm
+        return torch.log(renorm(torch.exp(log_p), mask, generator))
     if mode == "primal":
         return primal_log_renorm(log_p, k, alpha, log_deficit)
     return dual_log_renorm(log_p, k, alpha, log_deficit)
 
 
-def _renorm_at(mode: str, cand: _Candidates, k: Tensor, alpha: Tensor) -> Tensor:
+def _renorm_at(mode: str, cand: _Candidates, k: Tensor, alpha: Tensor,
+               generator: BregmanGenerator | None = None) -> Tensor:
     """log T_k (per row, k >= 1) on the first max(k) candidate columns."""
     width = int(k.max())
     log_deficit = torch.log(torch.gather(cand.deficit, 1, k.unsqueeze(-1)).squeeze(-1))
-    return _log_renorm(mode, cand.log_p[:, :width], k, alpha, log_deficit)
+    return _log_renorm(mode, cand.log_p[:, :width], k, alpha, log_deficit, generator)
 
 
-def _gap_exceeds(mode: str, cand: _Candidates, m: Tensor, alpha: Tensor, lam: Tensor) -> Tensor:
+def _gap_exceeds(mode: str, cand: _Candidates, m: Tensor, alpha: Tensor, lam: Tensor,
+                 generator: BregmanGenerator | None = None) -> Tensor:
     """G(m) > lambda, per row (1 <= m < number of candidates): one exact probe."""
     width = int(m.max()) + 1
     sizes = torch.stack([m, m + 1], -1)  # [n, 2]
     log_p = cand.log_p[:, :width]
     deficit = torch.gather(cand.deficit, 1, sizes)
     pair = _log_renorm(mode, log_p.unsqueeze(1).expand(-1, 2, -1), sizes,
-                       alpha.unsqueeze(-1).expand(-1, 2), torch.log(deficit))
+                       alpha.unsqueeze(-1).expand(-1, 2), torch.log(deficit), generator)
     log_q, log_q_next = pair[:, 0], pair[:, 1]
+    if generator is not None:
+        gap = generic_gap(mode, generator, torch.exp(log_p), torch.exp(log_q),
+                          torch.exp(log_q_next), m)
+        return gap > lam
     if mode == "primal":
         log_gap = primal_log_gap(log_q, log_q_next, m, alpha)
     else:
@@ -242,7 +268,7 @@ def _gap_exceeds(mode: str, cand: _Candidates, m: Tensor, alpha: Tensor, lam: Te
 
 
 def _search(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, low: Tensor,
-            high: Tensor) -> Tensor:
+            high: Tensor, generator: BregmanGenerator | None = None) -> Tensor:
     """Smallest k in [low, high] with G(k) <= lambda, where G(high) <= lambda is taken as given.
 
     Galloping (m = low, low + 1, low + 3, ...) then bisection: O(log k*) probes. All rows advance
@@ -259,7 +285,7 @@ def _search(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, low: Tenso
         gal = galloping[active]
         m = torch.where(gal, torch.minimum(lo + step[active] - 1, hi - 1), (lo + hi) // 2)
         sub = _Candidates(*(t[active] for t in cand))
-        exceeds = _gap_exceeds(mode, sub, m, alpha[active], lam[active])
+        exceeds = _gap_exceeds(mode, sub, m, alpha[active], lam[active], generator)
         low[active] = torch.where(exceeds, m + 1, lo)
         high[active] = torch.where(exceeds, hi, m)
         step[active] = torch.where(exceeds & gal, step[active] * 2, step[active])
@@ -267,7 +293,8 @@ def _search(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, low: Tenso
 
 
 def _support_sizes(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, fixed: Tensor,
-                   cap: Tensor, low: Tensor) -> tuple[Tensor, Tensor]:
+                   cap: Tensor, low: Tensor, generator: BregmanGenerator | None = None,
+                   ) -> tuple[Tensor, Tensor]:
     """Support size per row and whether it is certified with these candidates.
 
     ``low`` is a known lower bound on k* (from earlier rounds).
@@ -290,18 +317,22 @@ def _support_sizes(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, fix
         sub = _Candidates(*(t[adaptive] for t in cand))
         a, lm = alpha[adaptive], lam[adaptive]
         found = torch.empty_like(lo)
-        for value in torch.unique(a).tolist():
-            rows = (a == value).nonzero().squeeze(-1)
-            if has_closed_form(mode, value):
+        values = [math.nan] if generator is not None else torch.unique(a).tolist()
+        for value in values:
+            rows = (a == a if generator is not None else a == value).nonzero().squeeze(-1)
+            if generator is None and has_closed_form(mode, value):
                 gaps = closed_form_gaps(mode, value, sub.x[rows], sub.deficit[rows])
-                sizes = torch.arange(1, width, device=gaps.device)
+                # Column j is k = j + 1; the last column (k = width) always stops.
+                gaps = torch.nn.functional.pad(gaps, (0, 1), value=-math.inf)
+                sizes = torch.arange(1, width + 1, device=gaps.device)
                 stop = (gaps <= lm[rows].unsqueeze(-1)) | (sizes >= upper[rows].unsqueeze(-1))
                 stop &= sizes >= lo[rows].unsqueeze(-1)
                 first = torch.where(stop, sizes, width).amin(-1)
                 found[rows] = torch.minimum(first, upper[rows])
             else:
                 grp = _Candidates(*(t[rows] for t in sub))
-                found[rows] = _search(mode, grp, a[rows], lm[rows], lo[rows], upper[rows])
+                found[rows] = _search(mode, grp, a[rows], lm[rows], lo[rows], upper[rows],
+                                      generator)
         k[adaptive] = found
         # Certified unless the search ran into the end of the candidate set without a boundary.
         done[adaptive] = (found < width) | bounded
@@ -335,14 +366,15 @@ def _decode_rows(p: Tensor, plan: _Plan) -> list[tuple[Tensor, Tensor, Tensor, T
         if now.numel():
             cand = _candidates(p[now], width)
             k, done = _support_sizes(plan.mode, cand, plan.alpha[now], plan.lam[now],
-                                     plan.fixed_k[now], plan.k_max[now], low[now])
+                                     plan.fixed_k[now], plan.k_max[now], low[now],
+                                     plan.generator)
             if width >= vocab:
                 done = torch.ones_like(done)
             fin = done.nonzero().squeeze(-1)
             if fin.numel():
                 rows = now[fin]
                 sub = _Candidates(*(t[fin] for t in cand))
-                log_q = _renorm_at(plan.mode, sub, k[fin], plan.alpha[rows])
+                log_q = _renorm_at(plan.mode, sub, k[fin], plan.alpha[rows], plan.generator)
                 results.append((rows, sub.index[:, : log_q.shape[-1]], log_q, k[fin]))
             again = (~done).nonzero().squeeze(-1)
             low[now[again]] = width  # G(k) > lambda for every k < width
@@ -370,7 +402,7 @@ def _decode(p2: Tensor, plan: _Plan):
     decode_rows = (~through).nonzero().squeeze(-1)
     chunks = []
     if decode_rows.numel():
-        sub_plan = _Plan(plan.mode, *(t[decode_rows] for t in plan[1:]))
+        sub_plan = _Plan(plan.mode, *(t[decode_rows] for t in plan[1:5]), plan.generator)
         for rows, index, log_q, k in _decode_rows(p2[decode_rows], sub_plan):
             chunks.append((decode_rows[rows], index, log_q, k))
     return through, invalid, chunks
@@ -394,6 +426,7 @@ def bregman_decode(
     mode: str = "primal",
     k_max=None,
     top_k=None,
+    generator: BregmanGenerator | None = None,
 ) -> BregmanOutput:
     """Bregman decoding (problem sp-br) of a batch of next-token distributions.
 
@@ -409,6 +442,8 @@ def bregman_decode(
         k_max: optional cap on the support size (int or per-row tensor, 0 = no cap).
         top_k: optional fixed support size: generalized top-k (Definition gentopk) instead of
             the adaptive k* (int or per-row tensor, 0 = adaptive for that row).
+        generator: instead of ``alpha``, any `BregmanGenerator` (phi, phi', phi'', (phi')^-1);
+            primal mode needs a primal-valid phi, dual mode a dual-valid one (see `generators`).
 
     Returns:
         `BregmanOutput(probs, k)`: the decoded distribution (same shape and dtype; zeros off the
@@ -424,7 +459,7 @@ def bregman_decode(
     if probs.dim() == 0:
         raise BregmanParamError("probs", "must have at least one dimension (the vocabulary)")
     batch_shape = probs.shape[:-1]
-    plan = _plan(batch_shape, probs.device, alpha, lam, mode, k_max, top_k)
+    plan = _plan(batch_shape, probs.device, alpha, lam, mode, k_max, top_k, generator)
     p2 = _flatten(probs)
     through, invalid, chunks = _decode(p2, plan)
     out = torch.zeros_like(p2)

@@ -36,7 +36,7 @@ from .numerics import log_expm1, logsumexp_masked
 
 Tensor = torch.Tensor
 
-NEWTON_TOLERANCE = 1e-14
+NEWTON_TOLERANCE = 1e-15
 MAX_ITERATIONS = 100
 
 

@@ -1,0 +1,245 @@
+"""The math core against a float64 reference written from the paper (tests/reference.py).
+
+Brute force over every support (greedy optimality, Theorems greedy_optimal / greedy-dual), exact
+cost(k) for every k (k-convexity, Theorem convex_cost, and the choice of k*), closed forms against
+root finding, primal = dual at alpha in {1, 2}, dual KKT residuals (eq. ren-dual), the entmax
+package as an outside check, continuity in alpha, and batched / float32 consistency.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from bregman_vllm import bregman_decode, renormalize
+from bregman_vllm.core.dual import dual_log_renorm
+from bregman_vllm.core.primal import (
+    newton_log_renorm,
+    primal_log_renorm,
+    support_mask,
+    three_halves_log_renorm,
+)
+
+from . import reference as ref
+
+F64 = torch.float64
+
+
+def random_distribution(rng: random.Random, size: int, zeros: int = 0, ties: bool = False
+                        ) -> list[float]:
+    scale = rng.choice([0.5, 1.5, 3.0, 6.0])
+    logits = [rng.gauss(0.0, scale) for _ in range(size)]
+    if ties and size > 2:
+        logits[1] = logits[0]
+        logits[-1] = logits[-2]
+    top = max(logits)
+    weights = [math.exp(v - top) for v in logits]
+    for i in rng.sample(range(size), min(zeros, size - 1)):
+        weights[i] = 0.0
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+PRIMAL_ALPHAS = [0.5, 1.0, 1.5, 2.0, 3.0]
+DUAL_ALPHAS = [1.5, 2.0, 3.0, 5.0]
+
+
+def cases():
+    rng = random.Random(1234)
+    out = []
+    for mode, alphas in (("primal", PRIMAL_ALPHAS), ("dual", DUAL_ALPHAS)):
+        for alpha in alphas:
+            for trial in range(6):
+                size = rng.randint(1, 8)
+                p = random_distribution(rng, size, zeros=trial % 3, ties=trial == 4)
+                lam = 10 ** rng.uniform(-4, 0)
+                out.append(pytest.param(mode, alpha, p, lam, id=f"{mode}-{alpha}-{trial}"))
+    return out
+
+
+@pytest.mark.parametrize(("mode", "alpha", "p", "lam"), cases())
+def test_greedy_optimality_against_brute_force(mode, alpha, p, lam):
+    """The decoded support is a top-k set and attains the minimum over all 2^V supports."""
+    out = bregman_decode(torch.tensor(p, dtype=F64), alpha=alpha, lam=lam, mode=mode)
+    q = out.probs.tolist()
+    support = [i for i, v in enumerate(q) if v > 0]
+    assert len(support) == out.k.item()
+    best, _ = ref.brute_force(p, alpha, lam, mode)
+    found = ref.cost(p, support, alpha, lam, mode)
+    assert found <= best + 1e-9 * (1 + abs(best))
+    outside = [p[i] for i in range(len(p)) if i not in support]
+    assert min(p[i] for i in support) >= max(outside, default=0.0)
+    expected = ref.decoded(p, support, alpha, mode)
+    assert max(abs(a - b) for a, b in zip(q, expected, strict=True)) < 1e-10
+
+
+@pytest.mark.parametrize(("mode", "alpha", "p", "lam"), cases())
+def test_cost_is_discretely_convex_and_k_star_minimizes_it(mode, alpha, p, lam):
+    costs = ref.top_k_costs(p, alpha, lam, mode)
+    for k in range(1, len(costs) - 1):
+        assert costs[k + 1] - 2 * costs[k] + costs[k - 1] >= -1e-10
+    k_star = bregman_decode(torch.tensor(p, dtype=F64), alpha=alpha, lam=lam, mode=mode).k.item()
+    low = min(costs)
+    assert costs[k_star - 1] <= low + 1e-10 * (1 + abs(low))
+    # Ties go to the smaller support: every smaller k is strictly worse (up to rounding).
+    for k in range(1, k_star):
+        assert costs[k - 1] > costs[k_star - 1] - 1e-10
+
+
+def test_k_star_on_a_long_flat_tail_needs_several_candidate_rounds():
+    """k* in the hundreds: the candidate set grows (64 -> 512 -> ...) and stays exact."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5000, generator=g, dtype=F64) * 0.3
+    p = torch.softmax(logits, -1)
+    for alpha, gaps, lam in ((1.0, "kl", 3e-3), (2.0, "sq", 5e-6)):
+        out = bregman_decode(p, alpha=alpha, lam=lam)
+        ps = torch.sort(p, -1, descending=True).values
+        s = torch.cumsum(ps, -1)
+        r = 1 - s
+        k = torch.arange(1, 5000, dtype=F64)
+        if gaps == "kl":
+            g_k = torch.log1p(ps[:, 1:] / s[:, :-1])
+        else:
+            g_k = (k * ps[:, 1:] + r[:, :-1]) ** 2 / (2 * k * (k + 1))
+        stops = torch.nn.functional.pad(g_k <= lam, (0, 1), value=True)  # k = 5000 always
+        expected = stops.to(torch.int64).argmax(-1) + 1
+        assert (out.k == expected).all(), (alpha, out.k, expected)
+        assert (out.k > 64).all() and (out.k < 5000).all()
+
+
+def test_closed_forms_agree_with_root_finding():
+    g = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(20, 12, generator=g, dtype=F64) * 2, -1)
+    lp = torch.sort(torch.log(p), -1, descending=True).values
+    k = torch.randint(1, 12, (20,), generator=g)
+    mask = support_mask(k, 12)
+    deficit = 1 - torch.where(mask, lp.exp(), 0.0).sum(-1)
+    for alpha in (1.5, 2.0):
+        a = torch.full((20,), alpha, dtype=F64)
+        closed = primal_log_renorm(lp, k, a, torch.log(deficit))
+        newton = newton_log_renorm(lp, mask, a, torch.log(deficit), k)
+        assert torch.allclose(closed.exp(), newton.exp(), atol=1e-14, rtol=0)
+    three_halves = three_halves_log_renorm(lp, mask, torch.log(deficit), k)
+    paper = []  # Proposition alpha-special-cases, verbatim: c = [sqrt(r^2 + k(1 - s)) - r] / k
+    for row in range(20):
+        x = lp[row, : k[row]].exp()
+        r, s, kk = x.sqrt().sum(), x.sum(), k[row].item()
+        c = (torch.sqrt(r * r + kk * (1 - s)) - r) / kk
+        paper.append(torch.nn.functional.pad((x.sqrt() + c) ** 2, (0, 12 - kk)))
+    assert torch.allclose(three_halves.exp(), torch.stack(paper), atol=1e-14)
+
+
+@pytest.mark.parametrize("alpha", [0.3, 0.5, 1.25, 1.5, 2.0, 3.0, -2.0])
+def test_primal_map_matches_reference_bisection(alpha):
+    rng = random.Random(7)
+    for _ in range(10):
+        x = random_distribution(rng, 6, zeros=0)
+        x = [v * rng.uniform(0.3, 1.0) for v in x]
+        got = renormalize(torch.tensor(x, dtype=F64), alpha=alpha).tolist()
+        want = ref.primal_project(x, alpha)
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-11
+
+
+@pytest.mark.parametrize("alpha", [1.1, 1.5, 2.5, 4.0, 8.0])
+def test_dual_map_matches_reference_bisection(alpha):
+    rng = random.Random(8)
+    for _ in range(10):
+        x = [v * rng.uniform(0.3, 1.0) for v in random_distribution(rng, 6)]
+        got = renormalize(torch.tensor(x, dtype=F64), alpha=alpha, mode="dual").tolist()
+        want = ref.dual_project(x, alpha)
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-11
+
+
+@pytest.mark.parametrize("alpha", [1.0001, 1.3, 1.5, 2.5, 3.0, 10.0, 50.0, 200.0])
+def test_dual_map_kkt_residuals(alpha):
+    """eq. (ren-dual): q_i^(alpha-2) (q_i - p_i) = nu for every i, and sum q = 1."""
+    g = torch.Generator().manual_seed(2)
+    p = torch.softmax(torch.randn(50, 10, generator=g, dtype=F64) * 3, -1)
+    p = torch.sort(p, -1, descending=True).values * 0.8
+    k = torch.randint(1, 11, (50,), generator=g)
+    mask = support_mask(k, 10)
+    deficit = 1 - torch.where(mask, p, 0.0).sum(-1)
+    q = dual_log_renorm(torch.log(p), k, torch.full((50,), alpha, dtype=F64),
+                        torch.log(deficit)).exp()
+    assert torch.allclose(q.sum(-1), torch.ones(50, dtype=F64), atol=1e-14)
+    moved = torch.where(mask, q - p, -1.0).argmax(-1, keepdim=True)
+    qj, pj = q.gather(1, moved), p.gather(1, moved)
+    log_nu = (alpha - 2) * torch.log(qj) + torch.log(qj - pj)
+    predicted = torch.where(mask, p + torch.exp(log_nu + (2 - alpha) * torch.log(q)), 0.0)
+    assert (torch.where(mask, q, 0.0) - predicted).abs().max() < 1e-13
+    assert (torch.where(mask, q - p * (1 - 4e-15), 0.0) >= 0).all()  # q_i >= p_i (rounding)
+
+
+def test_primal_equals_dual_at_alpha_one_and_two():
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(30, 200, generator=g) * 2.5, -1)
+    for k in (1, 5, 40):
+        primal = bregman_decode(p, alpha=1.0, lam=0.0, top_k=k)
+        dual = bregman_decode(p, alpha=1.0, lam=0.0, top_k=k, mode="dual")
+        assert torch.allclose(primal.probs, dual.probs, atol=1e-7)
+    for lam in (1e-4, 1e-2, 0.3):
+        primal = bregman_decode(p, alpha=2.0, lam=lam)
+        dual = bregman_decode(p, alpha=2.0, lam=lam, mode="dual")
+        assert torch.equal(primal.k, dual.k)
+        assert torch.allclose(primal.probs, dual.probs, atol=1e-7)
+
+
+@pytest.mark.parametrize("alpha", [1.25, 1.5, 2.0, 3.0])
+def test_primal_map_equals_entmax(alpha):
+    """T_alpha(x) = entmax_alpha(x^(alpha-1) / (alpha-1)) on the support (outside check)."""
+    entmax = pytest.importorskip("entmax")
+    g = torch.Generator().manual_seed(4)
+    x = torch.softmax(torch.randn(16, 9, generator=g, dtype=F64) * 2, -1) * 0.7
+    scores = x ** (alpha - 1) / (alpha - 1)
+    theirs = entmax.entmax_bisect(scores, alpha=alpha, n_iter=200)
+    ours = renormalize(x, alpha=alpha)
+    assert torch.allclose(ours, theirs, atol=1e-10)
+
+
+def test_alpha_to_one_approaches_top_k_continuously():
+    g = torch.Generator().manual_seed(5)
+    x = torch.softmax(torch.randn(8, 12, generator=g, dtype=F64) * 2, -1) * 0.6
+    kl = x / x.sum(-1, keepdim=True)
+    previous = math.inf
+    for eps in (1e-1, 1e-2, 1e-4, 1e-6, 1e-9, 1e-12):
+        for sign in (1, -1):
+            q = renormalize(x, alpha=1 + sign * eps)
+            gap = (q - kl).abs().max().item()
+            assert math.isfinite(gap) and gap < 2 * eps
+        assert gap <= previous
+        previous = gap
+
+
+def test_large_alpha_approaches_water_filling_and_argmax_fill():
+    x = torch.tensor([0.5, 0.2, 0.1, 0.05, 0.01, 0.005], dtype=F64)
+    water = renormalize(x, alpha=math.inf)
+    assert torch.allclose(water, torch.tensor([0.5, 0.2, 0.1, 0.2 / 3, 0.2 / 3, 0.2 / 3],
+                                              dtype=F64), atol=1e-15)
+    errors = [(renormalize(x, alpha=a) - water).abs().max().item() for a in (5, 50, 1000, 1e5)]
+    assert all(math.isfinite(e) for e in errors)
+    assert errors == sorted(errors, reverse=True) and errors[-1] < 1e-4
+    fill = renormalize(x, alpha=-math.inf)
+    assert torch.allclose(fill, x + torch.tensor([1 - x.sum(), 0, 0, 0, 0, 0], dtype=F64))
+    errors = [(renormalize(x, alpha=a) - fill).abs().max().item() for a in (-5, -50, -1000)]
+    assert errors == sorted(errors, reverse=True) and errors[-1] < 1e-2
+
+
+def test_large_alpha_adaptive_decoding_stays_finite():
+    g = torch.Generator().manual_seed(6)
+    p = torch.softmax(torch.randn(16, 3000, generator=g) * 3, -1)
+    for mode in ("primal", "dual"):
+        for alpha in (50.0, 1000.0):
+            for lam in (0.0, 1e-12, 1e-3, 10.0):
+                out = bregman_decode(p, alpha=alpha, lam=lam, mode=mode)
+                assert torch.isfinite(out.probs).all()
+                assert torch.allclose(out.probs.sum(-1), torch.ones(16), atol=1e-5)
+                assert (out.k >= 1).all()
+
+
+def test_argmax_tie_shares_the_deficit_at_minus_infinity():
+    x = torch.tensor([0.3, 0.3, 0.1], dtype=F64)
+    assert torch.allclose(renormalize(x, alpha=-math.inf),
+                          torch.tensor([0.45, 0.45, 0.1], dtype=F64))
