@@ -188,16 +188,16 @@ def _top_candidates(p: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
         return values, index, torch.zeros(n, dtype=torch.float64, device=p.device)
     if width * BLOCK * 4 > vocab:
         values, index = torch.topk(p, width, dim=-1)
-        rest = p.clamp_min(0).scatter(1, index, 0.0).sum(-1, dtype=torch.float64)
+        rest = p.scatter(1, index, 0.0).sum(-1, dtype=torch.float64)
         return values, index, rest
     full = vocab // BLOCK
     blocks = p[:, : full * BLOCK].unflatten(1, (full, BLOCK))
     block_max = blocks.amax(-1)
-    block_sum = blocks.clamp_min(0).sum(-1)
+    block_sum = blocks.sum(-1)
     if vocab % BLOCK:
         tail = p[:, full * BLOCK:]
         block_max = torch.cat([block_max, tail.amax(-1, keepdim=True)], 1)
-        block_sum = torch.cat([block_sum, tail.clamp_min(0).sum(-1, keepdim=True)], 1)
+        block_sum = torch.cat([block_sum, tail.sum(-1, keepdim=True)], 1)
     # The top-`width` entries lie in the `width` blocks with the largest maxima.
     chosen = torch.topk(block_max, width, dim=-1).indices
     offsets = (chosen.unsqueeze(-1) * BLOCK + torch.arange(BLOCK, device=p.device)).flatten(1)
@@ -211,17 +211,18 @@ def _top_candidates(p: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
     return values, index, other_blocks + other_gathered
 
 
-def _candidates(p: Tensor, width: int) -> _Candidates:
+def _candidates(p: Tensor, width: int) -> tuple[_Candidates, Tensor]:
+    """The candidates of each row and the row total (float64) they were normalized by."""
     values, index, rest = _top_candidates(p, width)
     x = values.to(torch.float64).clamp_min(0.0)
-    total = x.sum(-1) + rest
+    total = torch.where(torch.isnan(values).any(-1), math.nan, x.sum(-1) + rest)
     x = x / total.unsqueeze(-1)
     tail = rest / total
     suffix = torch.flip(torch.cumsum(torch.flip(x, [-1]), -1), [-1])
     deficit = torch.cat([suffix, torch.zeros_like(tail).unsqueeze(-1)], -1) + tail.unsqueeze(-1)
     positive = (x > 0).sum(-1)
     complete = (positive < x.shape[-1]) | (tail <= 0)
-    return _Candidates(torch.log(x), x, index, deficit, positive, complete)
+    return _Candidates(torch.log(x), x, index, deficit, positive, complete), total
 
 
 # ----------------------------------------------------------------------------- renormalization
@@ -342,29 +343,37 @@ def _support_sizes(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, fix
 # ----------------------------------------------------------------------------- driver
 
 
-def _decode_rows(p: Tensor, plan: _Plan) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+def _decode_rows(p: Tensor, plan: _Plan) -> tuple[list[tuple[Tensor, Tensor, Tensor, Tensor]],
+                                                  Tensor]:
     """Decode every row of ``p`` ([N, V]).
 
-    Returns one chunk per candidate round: (rows, index [n, W], log_q [n, W], k [n]); within a
-    chunk the W positions of a row are distinct (log q = -inf past its support).
+    Returns one chunk per candidate round, (rows, index [n, W], log_q [n, W], k [n]), in which the
+    W positions of a row are distinct (log q = -inf past its support), and the rows that are not
+    distributions (no positive mass, NaN or inf), which are left alone.
     """
     n, vocab = p.shape
     device = p.device
     pending = torch.arange(n, device=device)
     low = torch.ones(n, dtype=torch.long, device=device)
     width = min(max(INITIAL_CANDIDATES, 2), vocab)
-    fixed_need = plan.fixed_k
-    results: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
+    chunks: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
+    invalid: list[Tensor] = []
     while pending.numel():
         if width < vocab:
             # Fixed-k rows larger than this round's width wait for a wider round.
-            ready = (fixed_need[pending] <= width)
-            ready |= fixed_need[pending] == 0
+            need = plan.fixed_k[pending]
+            ready = need <= width
             now, later = pending[ready], pending[~ready]
         else:
             now, later = pending, pending[:0]
         if now.numel():
-            cand = _candidates(p[now], width)
+            rows_now = p if now.numel() == n else p[now]  # no copy in the common case
+            cand, total = _candidates(rows_now, width)
+            bad = ~torch.isfinite(total) | (total <= 0)
+            if bool(bad.any()):
+                invalid.append(now[bad])
+                good = (~bad).nonzero().squeeze(-1)
+                now, cand = now[good], _Candidates(*(t[good] for t in cand))
             k, done = _support_sizes(plan.mode, cand, plan.alpha[now], plan.lam[now],
                                      plan.fixed_k[now], plan.k_max[now], low[now],
                                      plan.generator)
@@ -375,37 +384,35 @@ def _decode_rows(p: Tensor, plan: _Plan) -> list[tuple[Tensor, Tensor, Tensor, T
                 rows = now[fin]
                 sub = _Candidates(*(t[fin] for t in cand))
                 log_q = _renorm_at(plan.mode, sub, k[fin], plan.alpha[rows], plan.generator)
-                results.append((rows, sub.index[:, : log_q.shape[-1]], log_q, k[fin]))
+                chunks.append((rows, sub.index[:, : log_q.shape[-1]], log_q, k[fin]))
             again = (~done).nonzero().squeeze(-1)
             low[now[again]] = width  # G(k) > lambda for every k < width
             later = torch.cat([later, now[again]])
         pending = later
         width = min(width * _GROWTH, vocab)
-    return results
-
-
-def _pass_through(p: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:
-    """Rows returned as they are: lambda = 0 without cap (k* = all nonzero entries), and rows that
-    are not distributions (no positive mass, or NaN / inf)."""
-    total = p.sum(-1)
-    invalid = ~torch.isfinite(total) | (total <= 0)
-    keep_all = (plan.fixed_k == 0) & (plan.lam == 0)
-    return invalid | keep_all, invalid
+    empty = torch.empty(0, dtype=torch.long, device=device)
+    return chunks, torch.cat(invalid) if invalid else empty
 
 
 def _flatten(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _decode(p2: Tensor, plan: _Plan):
-    through, invalid = _pass_through(p2, plan)
-    decode_rows = (~through).nonzero().squeeze(-1)
-    chunks = []
-    if decode_rows.numel():
+def _decode(p2: Tensor, plan: _Plan) -> tuple[Tensor, Tensor, list]:
+    """Decode [N, V]. Returns (rows kept whole: lambda = 0 without cap, so k* = every nonzero
+    entry; rows left alone: not distributions; chunks of decoded rows)."""
+    keep_all = (plan.fixed_k == 0) & (plan.lam == 0)
+    decode_rows = (~keep_all).nonzero().squeeze(-1)
+    chunks: list = []
+    invalid = decode_rows[:0]
+    if decode_rows.numel() == p2.shape[0]:
+        chunks, invalid = _decode_rows(p2, plan)
+    elif decode_rows.numel():
         sub_plan = _Plan(plan.mode, *(t[decode_rows] for t in plan[1:5]), plan.generator)
-        for rows, index, log_q, k in _decode_rows(p2[decode_rows], sub_plan):
-            chunks.append((decode_rows[rows], index, log_q, k))
-    return through, invalid, chunks
+        sub_chunks, sub_invalid = _decode_rows(p2[decode_rows], sub_plan)
+        chunks = [(decode_rows[r], i, q, k) for r, i, q, k in sub_chunks]
+        invalid = decode_rows[sub_invalid]
+    return keep_all.nonzero().squeeze(-1), invalid, chunks
 
 
 def _write(out: Tensor, k_out: Tensor, chunks, to_values) -> None:
@@ -461,17 +468,18 @@ def bregman_decode(
     batch_shape = probs.shape[:-1]
     plan = _plan(batch_shape, probs.device, alpha, lam, mode, k_max, top_k, generator)
     p2 = _flatten(probs)
-    through, invalid, chunks = _decode(p2, plan)
+    keep_all, invalid, chunks = _decode(p2, plan)
     out = torch.zeros_like(p2)
     k_out = torch.zeros(p2.shape[0], dtype=torch.long, device=probs.device)
-    through_rows = through.nonzero().squeeze(-1)
-    if through_rows.numel():
-        kept = p2[through_rows]
-        total = kept.sum(-1, dtype=torch.float64, keepdim=True).clamp_min(1e-300)
+    if keep_all.numel():
+        kept = p2[keep_all]
+        total = kept.sum(-1, dtype=torch.float64, keepdim=True)
+        usable = torch.isfinite(total) & (total > 0)
         normalized = (kept.clamp_min(0).to(torch.float64) / total).to(p2.dtype)
-        bad = invalid[through_rows].unsqueeze(-1)
-        out[through_rows] = torch.where(bad, kept, normalized)
-        k_out[through_rows] = torch.where(bad.squeeze(-1), 0, (kept > 0).sum(-1))
+        out[keep_all] = torch.where(usable, normalized, kept)
+        k_out[keep_all] = torch.where(usable.squeeze(-1), (kept > 0).sum(-1), 0)
+    if invalid.numel():
+        out[invalid] = p2[invalid]
     _write(out, k_out, chunks, lambda log_q: torch.exp(log_q).to(p2.dtype))
     return BregmanOutput(out.reshape(probs.shape), k_out.reshape(batch_shape))
 
@@ -518,15 +526,17 @@ def decode_logits_rows(l2: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:
     Returns (log q with -inf off the support, k per row).
     """
     p2 = torch.softmax(l2, -1)
-    through, invalid, chunks = _decode(p2, plan)
+    keep_all, invalid, chunks = _decode(p2, plan)
     out = torch.full_like(l2, -math.inf)
     k_out = torch.zeros(l2.shape[0], dtype=torch.long, device=l2.device)
-    through_rows = through.nonzero().squeeze(-1)
-    if through_rows.numel():
-        kept = l2[through_rows]
-        bad = invalid[through_rows].unsqueeze(-1)
-        out[through_rows] = torch.where(bad, kept, torch.log_softmax(kept, -1))
-        k_out[through_rows] = torch.where(bad.squeeze(-1), 0, (p2[through_rows] > 0).sum(-1))
+    if keep_all.numel():
+        kept = l2[keep_all]
+        log_p = torch.log_softmax(kept, -1)
+        usable = ~torch.isnan(log_p).any(-1, keepdim=True)
+        out[keep_all] = torch.where(usable, log_p, kept)
+        k_out[keep_all] = torch.where(usable.squeeze(-1), (p2[keep_all] > 0).sum(-1), 0)
+    if invalid.numel():
+        out[invalid] = l2[invalid]
     _write(out, k_out, chunks, lambda log_q: log_q.to(l2.dtype))
     return out, k_out
 
