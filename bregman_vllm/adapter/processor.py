@@ -29,7 +29,9 @@ every request on the server, so a failure is logged and the step's logits are le
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +47,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# One active instance per engine: with the plugin installed, naming the class again with
+# --logits-processors would make vLLM build it twice and decode every step twice. VllmConfig is
+# unhashable, so engines are tracked by id() with a weak reference to detect reuse of an id.
+_ACTIVE: dict[int, weakref.ref] = {}
+
 
 def request_params(extra_args: Mapping[str, Any] | None) -> BregmanParams | None:
     """The validated Bregman parameters of a request, or None when it does not use them."""
@@ -52,6 +59,20 @@ def request_params(extra_args: Mapping[str, Any] | None) -> BregmanParams | None
     if params is None or not params.enabled:
         return None
     return params
+
+
+def _claim(vllm_config: object) -> bool:
+    """True for the first Bregman processor built for this engine configuration."""
+    key = id(vllm_config)
+    known = _ACTIVE.get(key)
+    if known is not None and known() is vllm_config:
+        logger.warning("BregmanLogitsProcessor is already active for this engine (plugin and "
+                       "--logits-processors both name it); this copy stays inactive")
+        return False
+    # Not weak-referenceable: duplicates cannot be told apart, so act.
+    with contextlib.suppress(TypeError):
+        _ACTIVE[key] = weakref.ref(vllm_config)
+    return True
 
 
 class _ModeGroup:
@@ -92,6 +113,7 @@ class BregmanLogitsProcessor(LogitsProcessor):
     def __init__(self, vllm_config: VllmConfig, device: torch.device,
                  is_pin_memory: bool) -> None:
         self.device = torch.device(device)
+        self.enabled = _claim(vllm_config)
         self.requests: dict[int, BregmanParams] = {}
         self.batch_size = 0
         self.groups: list[_ModeGroup] = []
@@ -109,7 +131,7 @@ class BregmanLogitsProcessor(LogitsProcessor):
         return True
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
+        if batch_update is None or not self.enabled:
             return
         self.batch_size = batch_update.batch_size
         changed = False

@@ -1,0 +1,245 @@
+"""The Bregman logits processor inside a real vLLM CPU engine (no mocks of vLLM).
+
+The engine runs with ``logprobs_mode="processed_logprobs"`` and ``max_logprobs=-1``, so each step's
+returned logprobs are the full distribution that was sampled from. A plain request (no Bregman
+keys) through the same engine returns the temperature-scaled model distribution of the same
+step, which is exactly what the processor sees: the reference is `bregman_decode` of it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from bregman_vllm import bregman_decode
+
+MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-llama"
+pytestmark = pytest.mark.engine
+
+PROMPTS = ["To be, or not to be, that is", "ROMEO:\nBut soft, what light",
+           "First Citizen:\nBefore we proceed any further,"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    if not (MODEL / "config.json").exists():
+        pytest.fail(f"{MODEL} is missing: run `python scripts/prepare_models.py` (make test does)")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    engine = LLM(str(MODEL), logprobs_mode="processed_logprobs", max_logprobs=-1,
+                 dtype="float32", seed=0, enforce_eager=True, max_num_seqs=16,
+                 max_model_len=512,
+                 # The per-request whitespace flag is ignored by the "auto" backend; without it
+                 # the tiny model pads JSON with newlines until max_tokens.
+                 structured_outputs_config={"backend": "xgrammar",
+                                            "disable_any_whitespace": True})
+    yield engine
+    del engine
+
+
+def sampling(**kwargs):
+    from vllm import SamplingParams
+
+    return SamplingParams(**kwargs)
+
+
+def dense(step: dict, vocab: int) -> torch.Tensor:
+    out = torch.full((vocab,), -math.inf, dtype=torch.float64)
+    for token, logprob in step.items():
+        out[token] = logprob.logprob
+    return out
+
+
+def vocab_size(llm) -> int:
+    return llm.llm_engine.model_config.get_vocab_size()
+
+
+CONFIGS = [
+    ({"bregman_mode": "primal", "bregman_alpha": 1.5, "bregman_lambda": 0.01}, 1.0),
+    ({"bregman_mode": "primal", "bregman_alpha": 3.0, "bregman_lambda": 0.001}, 0.7),
+    ({"bregman_mode": "primal", "bregman_alpha": 1.0, "bregman_lambda": 0.05}, 1.3),
+    ({"bregman_mode": "dual", "bregman_alpha": 1.5, "bregman_lambda": 0.01}, 1.0),
+    ({"bregman_mode": "dual", "bregman_alpha": 4.0, "bregman_lambda": 1e-4}, 0.8),
+    ({"bregman_mode": "dual", "bregman_alpha": 2.0, "bregman_top_k": 5}, 1.0),
+    ({"bregman_mode": "primal", "bregman_alpha": "inf", "bregman_top_k": 8}, 1.0),
+    ({"bregman_mode": "primal", "bregman_alpha": 0.5, "bregman_lambda": 0.0,
+      "bregman_k_max": 4}, 1.0),
+]
+
+
+@pytest.mark.parametrize(("bregman", "temperature"), CONFIGS,
+                         ids=[f"{c[0].get('bregman_mode')}-{c[0]['bregman_alpha']}" for c in
+                              CONFIGS])
+def test_processed_distribution_is_bregman_decoding_of_the_raw_one(llm, bregman, temperature):
+    vocab = vocab_size(llm)
+    outputs = llm.generate(PROMPTS, sampling(temperature=temperature, max_tokens=6, logprobs=-1,
+                                             seed=3, extra_args=bregman), use_tqdm=False)
+    # The same steps without Bregman keys: the distribution the processor received.
+    prefixes, steps = [], []
+    for out in outputs:
+        tokens = list(out.outputs[0].token_ids)
+        for t in range(len(tokens)):
+            prefixes.append({"prompt_token_ids": list(out.prompt_token_ids) + tokens[:t]})
+            steps.append((out.outputs[0].logprobs[t], tokens[t]))
+    plain = llm.generate(prefixes, sampling(temperature=temperature, max_tokens=1, logprobs=-1),
+                         use_tqdm=False)
+    alpha = bregman["bregman_alpha"]
+    alpha = math.inf if alpha == "inf" else float(alpha)
+    for (processed, sampled), reference in zip(steps, plain, strict=True):
+        raw = torch.exp(dense(reference.outputs[0].logprobs[0], vocab))
+        want = bregman_decode(raw, alpha=alpha, lam=float(bregman.get("bregman_lambda", 0.01)),
+                              mode=bregman["bregman_mode"], top_k=bregman.get("bregman_top_k"),
+                              k_max=bregman.get("bregman_k_max"))
+        got = torch.exp(dense(processed, vocab))
+        assert (got - want.probs).abs().max() < 1e-4
+        assert int((got > 0).sum()) == int(want.k)  # support size = k*
+        assert want.probs[sampled] > 0  # the sampled token is in the top-k* set
+
+
+def test_seeded_requests_are_reproducible(llm):
+    params = sampling(temperature=1.0, max_tokens=24, seed=1234,
+                      extra_args={"bregman_mode": "dual", "bregman_alpha": 2.5,
+                                  "bregman_lambda": 1e-3})
+    first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    second = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert first == second
+
+
+def test_greedy_requests_are_unaffected(llm):
+    plain = llm.generate(PROMPTS, sampling(temperature=0.0, max_tokens=16), use_tqdm=False)
+    bregman = llm.generate(PROMPTS, sampling(temperature=0.0, max_tokens=16, extra_args={
+        "bregman_alpha": 3.0, "bregman_lambda": 0.5}), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in bregman]
+
+
+def test_request_top_k_applies_after_bregman(llm):
+    vocab = vocab_size(llm)
+    out = llm.generate(PROMPTS[:1], sampling(
+        temperature=1.0, max_tokens=4, logprobs=-1, top_k=2, seed=5,
+        extra_args={"bregman_alpha": 2.0, "bregman_lambda": 1e-4}), use_tqdm=False)[0]
+    for step in out.outputs[0].logprobs:
+        assert int((torch.exp(dense(step, vocab)) > 0).sum()) <= 2
+
+
+def test_mixed_batch_with_requests_arriving_and_finishing_at_different_steps(llm):
+    """Bregman primal + dual + plain + greedy + n > 1 + penalties + stop strings + JSON schema +
+    seeds, added over several engine steps, so the persistent batch removes, adds and moves rows.
+    Fixed bregman_top_k values make each request's own parameters visible in its logprobs."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    vocab = vocab_size(llm)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+              "required": ["name"], "additionalProperties": False}
+    requests = [
+        ("top3", sampling(temperature=1.0, max_tokens=12, logprobs=-1, seed=1,
+                          extra_args={"bregman_alpha": 1.5, "bregman_top_k": 3})),
+        ("dual7", sampling(temperature=0.9, max_tokens=30, logprobs=-1, seed=2,
+                           extra_args={"bregman_mode": "dual", "bregman_alpha": 2.5,
+                                       "bregman_top_k": 7})),
+        ("plain", sampling(temperature=1.0, max_tokens=20, logprobs=-1, seed=3)),
+        ("greedy", sampling(temperature=0.0, max_tokens=25)),
+        ("n2", sampling(temperature=1.0, max_tokens=15, n=2, logprobs=-1, seed=4,
+                        extra_args={"bregman_alpha": 3.0, "bregman_top_k": 2})),
+        ("penalties", sampling(temperature=1.0, max_tokens=18, presence_penalty=0.5,
+                               frequency_penalty=0.3, repetition_penalty=1.2, seed=5,
+                               extra_args={"bregman_alpha": 1.5, "bregman_lambda": 0.02})),
+        ("stop", sampling(temperature=1.0, max_tokens=40, stop=["\n", "."], seed=6,
+                          extra_args={"bregman_mode": "dual", "bregman_alpha": 1.5,
+                                      "bregman_lambda": 0.01})),
+        ("json", sampling(temperature=1.0, max_tokens=60, seed=7,
+                          structured_outputs=StructuredOutputsParams(json=schema),
+                          extra_args={"bregman_alpha": 2.0, "bregman_lambda": 0.01})),
+        ("adaptive", sampling(temperature=1.0, max_tokens=10, logprobs=-1, seed=8,
+                              extra_args={"bregman_alpha": 1.5, "bregman_lambda": 0.01})),
+    ]
+    engine = llm.llm_engine
+    pending = list(requests)
+    completions: dict[str, dict[int, object]] = {}
+    prompts: dict[str, str] = {}
+    steps = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and steps % 2 == 0:  # one new request every other step
+            name, params = pending.pop(0)
+            prompts[name] = PROMPTS[steps % len(PROMPTS)]
+            engine.add_request(name, {"prompt": prompts[name]}, params)
+        for output in engine.step():
+            for completion in output.outputs:  # n > 1 reports each child as it finishes
+                if completion.finish_reason is not None:
+                    completions.setdefault(output.request_id, {})[completion.index] = completion
+        steps += 1
+        assert steps < 2000
+    assert set(completions) == {name for name, _ in requests}
+
+    def first(name):
+        return completions[name][0]
+
+    def supports(name):
+        return [int((torch.exp(dense(step, vocab)) > 0).sum())
+                for completion in completions[name].values() for step in completion.logprobs]
+
+    assert set(supports("top3")) == {3}
+    assert set(supports("dual7")) == {7}
+    assert set(supports("n2")) == {2} and set(completions["n2"]) == {0, 1}
+    assert min(supports("plain")) > 100  # untouched: the full vocabulary
+    assert max(supports("adaptive")) < vocab
+    assert first("greedy").token_ids == llm.generate(
+        [prompts["greedy"]], sampling(temperature=0.0, max_tokens=25),
+        use_tqdm=False)[0].outputs[0].token_ids
+    text = first("stop").text
+    assert "\n" not in text and "." not in text
+    assert isinstance(json.loads(first("json").text)["name"], str)
+
+
+@pytest.mark.parametrize(("extra", "fragment"), [
+    ({"bregman_alpha": 0.0}, "bregman_alpha"),
+    ({"bregman_mode": "dual", "bregman_alpha": 0.5}, "(1, inf)"),
+    ({"bregman_lambda": -0.5}, "bregman_lambda"),
+    ({"bregman_top_k": 0}, "bregman_top_k"),
+    ({"bregman_mode": "both"}, "bregman_mode"),
+])
+def test_invalid_parameters_are_rejected_with_clear_messages(llm, extra, fragment):
+    from vllm.exceptions import VLLMValidationError  # what the OpenAI server turns into a 400
+
+    with pytest.raises(VLLMValidationError) as error:
+        llm.generate(PROMPTS[:1], sampling(max_tokens=2, extra_args=extra), use_tqdm=False)
+    assert fragment in str(error.value)
+    # The engine is still healthy afterwards.
+    assert llm.generate(PROMPTS[:1], sampling(max_tokens=2), use_tqdm=False)[0].outputs[0].text
+
+
+def test_extreme_valid_parameters_never_crash_the_engine(llm):
+    from vllm.sampling_params import StructuredOutputsParams
+
+    extremes = [
+        {"bregman_alpha": 1000.0, "bregman_lambda": 0.01},
+        {"bregman_mode": "dual", "bregman_alpha": 1000.0, "bregman_lambda": 1e-9},
+        {"bregman_alpha": 1.5, "bregman_lambda": 0.0},
+        {"bregman_alpha": 1.5, "bregman_lambda": 10.0},
+        {"bregman_alpha": 1.5, "bregman_top_k": 1},
+        {"bregman_alpha": 1.5, "bregman_lambda": 0.0, "bregman_k_max": 1},
+        {"bregman_alpha": "-inf", "bregman_top_k": 50},
+        {"bregman_alpha": -3.0, "bregman_top_k": 4},
+        {"bregman_mode": "dual", "bregman_alpha": "inf", "bregman_top_k": 6},
+        {"bregman_alpha": 1e-6, "bregman_lambda": 1e-12},
+    ]
+    params = [sampling(temperature=t, max_tokens=12, seed=i, extra_args=e)
+              for i, e in enumerate(extremes) for t in (0.05, 1.0, 2.0)]
+    schema = StructuredOutputsParams(choice=["yes", "no", "maybe"])
+    params += [sampling(temperature=1.0, max_tokens=4, structured_outputs=schema, extra_args=e)
+               for e in extremes]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(o.finished for o in outputs)
+    assert all(o.outputs[0].text in {"yes", "no", "maybe"} for o in outputs[-len(extremes):])
+    top1 = [o for o, p in zip(outputs, params, strict=True)
+            if (p.extra_args or {}).get("bregman_top_k") == 1 and p.structured_outputs is None]
+    greedy = llm.generate([o.prompt for o in top1], sampling(temperature=0.0, max_tokens=12),
+                          use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in top1] == [o.outputs[0].token_ids for o in greedy]

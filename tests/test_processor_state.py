@@ -1,0 +1,177 @@
+"""The logits processor's batch bookkeeping, driven with vLLM's own BatchUpdate objects.
+
+These tests construct the processor directly (no engine) and replay batch changes the way
+vLLM's persistent batch reports them: removed, then added, then moved (unidirectional or swap).
+After each update, `apply()` must decode exactly the rows that carry Bregman parameters, each
+with its own parameters, and leave every other row bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+from bregman_vllm import BregmanParamError, bregman_decode_logits
+from bregman_vllm.adapter import BregmanLogitsProcessor
+from bregman_vllm.adapter import processor as processor_module
+
+VOCAB = 300
+
+
+class EngineConfig:
+    """Stands in for VllmConfig: the processor only uses it as an identity for de-duplication."""
+
+
+def make_processor() -> BregmanLogitsProcessor:
+    return BregmanLogitsProcessor(EngineConfig(), torch.device("cpu"), False)
+
+
+def params(**bregman) -> SamplingParams:
+    return SamplingParams(temperature=1.0, extra_args=bregman or None)
+
+
+def expected(logits: torch.Tensor, table: dict[int, dict]) -> torch.Tensor:
+    out = logits.clone()
+    for row, args in table.items():
+        mode = args.get("bregman_mode", "primal")
+        if mode == "off":
+            continue
+        out[row] = bregman_decode_logits(
+            logits[row], alpha=float(args.get("bregman_alpha", 1.5)),
+            lam=float(args.get("bregman_lambda", 0.01)), mode=mode,
+            top_k=args.get("bregman_top_k"), k_max=args.get("bregman_k_max"))
+    return out
+
+
+def check(proc: BregmanLogitsProcessor, table: dict[int, dict], batch: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, VOCAB, generator=g) * 3
+    want = expected(logits, table)
+    got = proc.apply(logits.clone())
+    for row in range(batch):
+        if row in table and table[row].get("bregman_mode", "primal") != "off":
+            assert torch.allclose(got[row], want[row], atol=1e-6), row
+            assert torch.equal(torch.isinf(got[row]), torch.isinf(want[row])), row
+        else:
+            assert torch.equal(got[row], logits[row]), f"row {row} was touched"
+
+
+PARAM_CHOICES = [
+    {},  # plain request: untouched
+    {"bregman_mode": "primal", "bregman_alpha": 1.5, "bregman_lambda": 0.01},
+    {"bregman_mode": "dual", "bregman_alpha": 3.0, "bregman_lambda": 0.001},
+    {"bregman_alpha": 2.0},  # mode defaults to primal
+    {"bregman_mode": "off", "bregman_alpha": 2.0},
+    {"bregman_mode": "primal", "bregman_alpha": "inf", "bregman_top_k": 5},
+    {"bregman_mode": "dual", "bregman_alpha": 1.5, "bregman_lambda": 0.0, "bregman_k_max": 3},
+    {"bregman_alpha": 0.5, "bregman_lambda": 0.05, "unrelated_key": "ignored"},
+]
+
+
+def test_random_batch_updates_with_moves_and_swaps():
+    rng = random.Random(0)
+    proc = make_processor()
+    table: dict[int, dict] = {}
+    batch = 0
+    for step in range(40):
+        removed = sorted(rng.sample(range(batch), rng.randint(0, min(2, batch))), reverse=True)
+        for index in removed:
+            table.pop(index, None)
+        # vLLM fills removed slots first, then appends.
+        free = sorted(removed)
+        added = []
+        for _ in range(rng.randint(0, 3)):
+            index = free.pop(0) if free else batch
+            batch = max(batch, index + 1)
+            choice = rng.choice(PARAM_CHOICES)
+            added.append((index, params(**choice), None, []))
+            table[index] = choice
+        moved = []
+        if batch >= 2 and rng.random() < 0.7:
+            a, b = rng.sample(range(batch), 2)
+            direction = rng.choice([MoveDirectionality.SWAP, MoveDirectionality.UNIDIRECTIONAL])
+            moved.append((a, b, direction))
+            ta, tb = table.pop(a, None), table.pop(b, None)
+            if ta is not None:
+                table[b] = ta
+            if tb is not None and direction == MoveDirectionality.SWAP:
+                table[a] = tb
+        # Condense: holes at the end shrink the batch.
+        while batch and batch - 1 not in table and all(i < batch - 1 for i in table):
+            batch -= 1
+        batch = max(batch, max(table, default=-1) + 1)
+        proc.update_state(BatchUpdate(batch, removed, added, moved))
+        check(proc, {i: t for i, t in table.items() if t}, batch, step)
+        proc.update_state(None)  # no change: the same rows stay decoded
+        check(proc, {i: t for i, t in table.items() if t}, batch, step + 1000)
+
+
+def test_plain_requests_are_untouched_bit_for_bit():
+    proc = make_processor()
+    added = [(0, params(), None, []), (1, params(bregman_alpha=1.5), None, []),
+             (2, SamplingParams(extra_args={"other_plugin": 1}), None, [])]
+    proc.update_state(BatchUpdate(3, [], added, []))
+    logits = torch.randn(3, VOCAB) * 4
+    out = proc.apply(logits.clone())
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+    assert not torch.equal(out[1], logits[1])
+    # A batch of only plain requests returns the very same tensor.
+    proc.update_state(BatchUpdate(3, [1], [], []))
+    same = torch.randn(3, VOCAB)
+    assert proc.apply(same) is same
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"bregman_alpha": 0}, "bregman_alpha"),
+    ({"bregman_mode": "dual", "bregman_alpha": 1.0}, "bregman_alpha"),
+    ({"bregman_lambda": -1}, "bregman_lambda"),
+    ({"bregman_top_k": 0}, "bregman_top_k"),
+    ({"bregman_k_max": 2.5}, "bregman_k_max"),
+    ({"bregman_mode": "sideways"}, "bregman_mode"),
+    ({"bregman_alpha": "banana"}, "bregman_alpha"),
+])
+def test_validate_params_rejects_bad_values(extra, field):
+    with pytest.raises(BregmanParamError) as error:
+        BregmanLogitsProcessor.validate_params(SamplingParams(extra_args=extra))
+    assert error.value.field == field
+    BregmanLogitsProcessor.validate_params(SamplingParams(extra_args={"bregman_alpha": 2.0}))
+    BregmanLogitsProcessor.validate_params(SamplingParams())
+
+
+def test_apply_never_raises(monkeypatch, caplog):
+    proc = make_processor()
+    proc.update_state(BatchUpdate(2, [], [(0, params(bregman_alpha=1.5), None, []),
+                                          (1, params(bregman_alpha=2.5), None, [])], []))
+    hostile = torch.tensor([[math.nan] * VOCAB, [-math.inf] * VOCAB])
+    out = proc.apply(hostile.clone())
+    assert torch.isnan(out[0]).all() and torch.isneginf(out[1]).all()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated bug in the decoder")
+
+    # Simulate a bug inside the math core: the step must go on with the logits unchanged.
+    monkeypatch.setattr(processor_module, "decode_logits_rows", broken)
+    logits = torch.randn(2, VOCAB)
+    with caplog.at_level(logging.ERROR):
+        out = proc.apply(logits.clone())
+    assert torch.equal(out, logits)
+    assert "logits left unchanged" in caplog.text
+
+
+def test_second_instance_for_the_same_engine_is_inactive():
+    config = EngineConfig()
+    first = BregmanLogitsProcessor(config, torch.device("cpu"), False)
+    second = BregmanLogitsProcessor(config, torch.device("cpu"), False)
+    update = BatchUpdate(1, [], [(0, params(bregman_alpha=1.5), None, [])], [])
+    first.update_state(update)
+    second.update_state(update)
+    logits = torch.randn(1, VOCAB) * 3
+    once = first.apply(logits.clone())
+    assert torch.equal(second.apply(once.clone()), once)
+    assert first.is_argmax_invariant()
