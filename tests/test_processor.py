@@ -243,3 +243,28 @@ def test_extreme_valid_parameters_never_crash_the_engine(llm):
     greedy = llm.generate([o.prompt for o in top1], sampling(temperature=0.0, max_tokens=12),
                           use_tqdm=False)
     assert [o.outputs[0].token_ids for o in top1] == [o.outputs[0].token_ids for o in greedy]
+
+
+def test_naming_the_processor_explicitly_still_decodes_once(llm):
+    """With the plugin installed, `--logits-processors bregman_vllm...:BregmanLogitsProcessor`
+    makes vLLM build the class twice; the second copy must stay inactive (decoding twice would
+    shrink the support again)."""
+    from vllm import LLM
+
+    explicit = LLM(str(MODEL), logprobs_mode="processed_logprobs", max_logprobs=-1,
+                   dtype="float32", seed=0, enforce_eager=True, max_model_len=256,
+                   logits_processors=["bregman_vllm.adapter.processor:BregmanLogitsProcessor"])
+    try:
+        vocab = vocab_size(explicit)
+        bregman = {"bregman_alpha": 3.0, "bregman_lambda": 1e-3}
+        out = explicit.generate(PROMPTS[:1], sampling(temperature=1.0, max_tokens=1,
+                                                      logprobs=-1, extra_args=bregman),
+                                use_tqdm=False)[0]
+        plain = explicit.generate(PROMPTS[:1], sampling(temperature=1.0, max_tokens=1,
+                                                        logprobs=-1), use_tqdm=False)[0]
+    finally:
+        del explicit
+    raw = torch.exp(dense(plain.outputs[0].logprobs[0], vocab))
+    once = bregman_decode(raw, alpha=3.0, lam=1e-3)
+    got = torch.exp(dense(out.outputs[0].logprobs[0], vocab))
+    assert (got - once.probs).abs().max() < 1e-4

@@ -175,3 +175,57 @@ def test_second_instance_for_the_same_engine_is_inactive():
     once = first.apply(logits.clone())
     assert torch.equal(second.apply(once.clone()), once)
     assert first.is_argmax_invariant()
+
+
+def test_model_runner_v2_interface():
+    """vLLM 0.32's Model Runner V2 (GPU with Triton only, so it cannot run here) loads processors
+    through its own interface: both loaders must accept the class, and under V2 the processor
+    sees unscaled logits in reordered rows. `req_states` is stood in by an object with the one
+    attribute the processor reads (`device`); `LogitsContext` is vLLM's real dataclass."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from vllm.v1.sample.logits_processor import _load_logitsprocs_plugins
+    from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext
+    from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs_plugins
+
+    assert BregmanLogitsProcessor in _load_logitsprocs_plugins()
+    assert BregmanLogitsProcessor in _load_v2_logitsprocs_plugins()
+
+    proc = BregmanLogitsProcessor(EngineConfig(), SimpleNamespace(device=torch.device("cpu")))
+    requests = {
+        5: SamplingParams(temperature=0.7, extra_args={"bregman_alpha": 1.5,
+                                                       "bregman_lambda": 0.01}),
+        2: SamplingParams(temperature=1.3, extra_args={"bregman_mode": "dual",
+                                                       "bregman_alpha": 3.0,
+                                                       "bregman_top_k": 4}),
+        0: SamplingParams(temperature=1.0),  # plain
+        7: SamplingParams(temperature=0.0, extra_args={"bregman_alpha": 2.0}),  # greedy
+    }
+    flags = {slot: proc.add_request(slot, sp) for slot, sp in requests.items()}
+    assert flags == {5: True, 2: True, 0: False, 7: False}
+    order = [2, 7, 0, 5]  # this step's row -> slot mapping
+    logits = torch.randn(4, VOCAB) * 3
+    ctx = LogitsContext(
+        expanded_idx_mapping=torch.tensor(order, dtype=torch.int32),
+        idx_mapping=torch.tensor(order, dtype=torch.int32),
+        idx_mapping_np=np.array(order), expanded_local_pos=torch.zeros(4, dtype=torch.int32),
+        input_ids=torch.zeros(4, dtype=torch.int32), pos=torch.zeros(4, dtype=torch.int32),
+        seq_lens_upper_bound_np=np.ones(4, dtype=np.int64))
+    out = proc.apply(logits.clone(), ctx)
+    for row, slot in enumerate(order):
+        sp = requests[slot]
+        if not flags[slot]:
+            assert torch.equal(out[row], logits[row])
+            continue
+        args = sp.extra_args
+        # What the runner does next: divide by the temperature; that must give log q.
+        got = torch.softmax(out[row] / sp.temperature, -1)
+        want = torch.softmax(bregman_decode_logits(
+            logits[row] / sp.temperature, alpha=float(args["bregman_alpha"]),
+            lam=float(args.get("bregman_lambda", 0.01)), mode=args.get("bregman_mode", "primal"),
+            top_k=args.get("bregman_top_k")), -1)
+        assert torch.allclose(got, want, atol=1e-6)
+    # A slot that is recycled for a plain request is no longer decoded.
+    assert proc.add_request(5, SamplingParams(temperature=1.0)) is False
+    assert torch.equal(proc.apply(logits.clone(), ctx)[3], logits[3])

@@ -22,6 +22,12 @@ State: the batch's Bregman rows and their parameters live in device tensors rebu
 `BatchUpdate` changes the batch (removed, then added, then moved: unidirectional or swap).
 `apply()` runs one vectorized decode per mode over all Bregman rows, whatever their alpha/lambda.
 
+vLLM's Model Runner V2 (the default on GPUs with Triton in vLLM 0.32) loads processors from the
+same entry point but through a different interface, and rejects V1-only classes at start-up, so
+this class implements both. Under V2, ``apply()`` runs before temperature: the processor divides
+by each request's temperature itself and writes T log q, which the runner's own division by T
+turns into log q, keeping the V1 semantics above.
+
 Robustness: request values are validated at admission (`validate_params`, HTTP 400 with the
 parameter model's message). `apply()` never raises: an exception inside a logits processor kills
 every request on the server, so a failure is logged and the step's logits are left unchanged.
@@ -32,11 +38,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
+from abc import ABC
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+try:  # vLLM >= 0.32: Model Runner V2 has its own processor interface
+    from vllm.v1.worker.gpu.sample.logits_processor.interface import (
+        LogitsProcessor as RunnerV2LogitsProcessor,
+    )
+except ImportError:  # pragma: no cover - older vLLM
+    RunnerV2LogitsProcessor = ABC
 
 from ..core.decode import decode_logits_rows, plan_rows
 from ..params import BregmanParamError, BregmanParams
@@ -44,6 +58,10 @@ from ..params import BregmanParamError, BregmanParams
 if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.config import VllmConfig
+    from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext
+
+# Temperatures below this are greedy in vLLM's samplers (_SAMPLING_EPS).
+_GREEDY_TEMPERATURE = 1e-5
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +114,30 @@ class _ModeGroup:
         )
 
 
-class BregmanLogitsProcessor(LogitsProcessor):
+class _SlotTable:
+    """V2: per-slot parameters on the device, indexed by request slot (0 = not Bregman)."""
+
+    def __init__(self, requests: dict[int, BregmanParams], temperatures: dict[int, float],
+                 device: torch.device) -> None:
+        size = max(requests, default=-1) + 1
+        codes = {"primal": 1, "dual": 2}
+        mode = [0] * size
+        alpha, lam, top, cap, temp = [1.0] * size, [0.0] * size, [0] * size, [0] * size, \
+            [1.0] * size
+        for slot, params in requests.items():
+            mode[slot] = codes[params.mode]
+            alpha[slot], lam[slot] = params.alpha, params.lam
+            top[slot], cap[slot] = params.top_k or 0, params.k_max or 0
+            temp[slot] = temperatures[slot]
+        self.mode = torch.tensor(mode or [0], dtype=torch.long, device=device)
+        self.alpha = torch.tensor(alpha or [1.0], dtype=torch.float64, device=device)
+        self.lam = torch.tensor(lam or [0.0], dtype=torch.float64, device=device)
+        self.top_k = torch.tensor(top or [0], dtype=torch.long, device=device)
+        self.k_max = torch.tensor(cap or [0], dtype=torch.long, device=device)
+        self.temperature = torch.tensor(temp or [1.0], dtype=torch.float32, device=device)
+
+
+class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
     """Bregman decoding (primal or dual, any alpha, adaptive k* or fixed top-k) per request.
 
     Example (offline; the plugin is registered through the ``vllm.logits_processors`` entry point,
@@ -110,13 +151,20 @@ class BregmanLogitsProcessor(LogitsProcessor):
         >>> llm.generate(["Once upon a time"], params)  # doctest: +SKIP
     """
 
-    def __init__(self, vllm_config: VllmConfig, device: torch.device,
-                 is_pin_memory: bool) -> None:
-        self.device = torch.device(device)
+    def __init__(self, vllm_config: VllmConfig, *args: Any) -> None:
+        # V1 runner: (vllm_config, device, is_pin_memory); V2 runner: (vllm_config, req_states).
+        if len(args) == 1:
+            self.device = torch.device(args[0].device)
+            self.runner_v2 = True
+        else:
+            self.device = torch.device(args[0])
+            self.runner_v2 = False
         self.enabled = _claim(vllm_config)
-        self.requests: dict[int, BregmanParams] = {}
+        self.requests: dict[int, BregmanParams] = {}  # batch row (V1) or request slot (V2)
+        self.temperatures: dict[int, float] = {}  # V2: per slot
         self.batch_size = 0
         self.groups: list[_ModeGroup] = []
+        self.slots: _SlotTable | None = None
         self._stale = False
         self._failures = 0
 
@@ -169,20 +217,72 @@ class BregmanLogitsProcessor(LogitsProcessor):
         self.groups = groups
         self._stale = False
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if not self.requests:
+    def apply(self, logits: torch.Tensor, ctx: LogitsContext | None = None) -> torch.Tensor:
+        if not self.requests or not self.enabled:
             return logits
         try:
-            if self._stale:
-                self._rebuild()
-            for group in self.groups:
-                if group.contiguous_prefix and group.count == logits.shape[0]:
-                    logits, _ = decode_logits_rows(logits, group.plan)
-                else:
-                    decoded, _ = decode_logits_rows(logits[group.rows], group.plan)
-                    logits[group.rows] = decoded
+            if ctx is None:
+                return self._apply_rows(logits)
+            return self._apply_slots(logits, ctx)
         except Exception:  # never let one request take the engine down
             self._failures += 1
             if self._failures <= 3:
                 logger.exception("Bregman decoding failed; logits left unchanged this step")
+            return logits
+
+    def _apply_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """V1: rows are batch positions, kept in order by `update_state`."""
+        if self._stale:
+            self._rebuild()
+        for group in self.groups:
+            if group.contiguous_prefix and group.count == logits.shape[0]:
+                logits, _ = decode_logits_rows(logits, group.plan)
+            else:
+                decoded, _ = decode_logits_rows(logits[group.rows], group.plan)
+                logits[group.rows] = decoded
+        return logits
+
+    # ------------------------------------------------------------------ Model Runner V2
+
+    def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
+        """V2: (re)initialize a request slot; True when this request is Bregman-decoded."""
+        wanted = None
+        if self.enabled:
+            try:
+                wanted = request_params(sampling_params.extra_args)
+            except BregmanParamError as error:  # validate_params ran already; be defensive
+                logger.warning("ignoring invalid Bregman parameters: %s", error)
+        # Greedy requests are unaffected by an argmax-invariant processor: skip them.
+        if wanted is not None and sampling_params.temperature >= _GREEDY_TEMPERATURE:
+            self.requests[req_idx] = wanted
+            self.temperatures[req_idx] = float(sampling_params.temperature)
+            self._stale = True
+            return True
+        if self.requests.pop(req_idx, None) is not None:
+            self.temperatures.pop(req_idx, None)
+            self._stale = True
+        return False
+
+    def apply_staged_writes(self) -> None:
+        """V2 hook; the slot table is rebuilt lazily on the next `apply()`."""
+
+    def _apply_slots(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
+        """V2: rows are reordered every step; ctx maps each row to its request slot."""
+        if self._stale or self.slots is None:
+            self.slots = _SlotTable(self.requests, self.temperatures, self.device)
+            self._stale = False
+        table = self.slots
+        row_slots = ctx.expanded_idx_mapping.to(torch.long)
+        row_mode = table.mode[row_slots.clamp_max(table.mode.shape[0] - 1)]
+        row_mode = torch.where(row_slots < table.mode.shape[0], row_mode, 0)
+        for code, mode in enumerate(("primal", "dual"), start=1):
+            rows = (row_mode == code).nonzero().squeeze(-1)
+            if rows.numel() == 0:
+                continue
+            slots = row_slots[rows]
+            plan = plan_rows(mode, table.alpha[slots], table.lam[slots], table.top_k[slots],
+                             table.k_max[slots], validate=False)
+            temperature = table.temperature[slots].unsqueeze(-1)
+            decoded, _ = decode_logits_rows(logits[rows] / temperature, plan)
+            logits[rows] = decoded * temperature  # the runner divides by T next
         return logits

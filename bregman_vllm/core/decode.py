@@ -159,12 +159,18 @@ def _plan(batch_shape, device, alpha, lam, mode, k_max, top_k, generator=None) -
     cap = _row_sizes(k_max, "k_max", batch_shape, device)
     if generator is None:
         _check_alpha_rows(alpha_rows, mode, top > 0, "alpha")
+    return _assemble(mode, alpha_rows, lam_rows, top, cap, generator)
+
+
+def _assemble(mode: str, alpha: Tensor, lam: Tensor, top: Tensor, cap: Tensor,
+              generator: BregmanGenerator | None = None) -> _Plan:
+    """Per-row plan from validated values (top/cap: 0 = not set)."""
     fixed = torch.where(cap > 0, torch.minimum(top, cap), top)
     fixed = torch.where(top > 0, fixed, 0)
     # lambda = 0 keeps every nonzero entry: the adaptive problem becomes fixed k = k_max.
-    zero_lam = (top == 0) & (lam_rows == 0)
+    zero_lam = (top == 0) & (lam == 0)
     fixed = torch.where(zero_lam, cap, fixed)
-    return _Plan(mode, alpha_rows, lam_rows, fixed, cap, generator)
+    return _Plan(mode, alpha, lam, fixed, cap, generator)
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -511,13 +517,17 @@ def bregman_decode_logits(
     return out
 
 
-def plan_rows(mode: str, alpha: Tensor, lam: Tensor, top_k: Tensor, k_max: Tensor) -> _Plan:
-    """Validate per-row parameters once (e.g. when a vLLM batch changes) for `decode_logits_rows`.
+def plan_rows(mode: str, alpha: Tensor, lam: Tensor, top_k: Tensor, k_max: Tensor,
+              validate: bool = True) -> _Plan:
+    """Per-row parameters for `decode_logits_rows` (e.g. built once per vLLM batch change).
 
-    ``alpha``/``lam`` are float tensors, ``top_k``/``k_max`` int64 tensors with 0 for "not set",
-    all of shape [N].
+    ``alpha``/``lam`` are float64 tensors, ``top_k``/``k_max`` int64 tensors with 0 for "not set",
+    all of shape [N]. ``validate=False`` skips the range checks for values already validated
+    (by `bregman_vllm.params` at request admission).
     """
-    return _plan(alpha.shape, alpha.device, alpha, lam, mode, k_max.clamp_min(0), top_k)
+    if validate:
+        return _plan(alpha.shape, alpha.device, alpha, lam, mode, k_max.clamp_min(0), top_k)
+    return _assemble(mode, alpha, lam, top_k, k_max)
 
 
 def decode_logits_rows(l2: Tensor, plan: _Plan) -> tuple[Tensor, Tensor]:
