@@ -20,7 +20,7 @@ demo: $(VENV)/.ready
 	$(PY) -m bregman_vllm.demo
 
 test: $(VENV)/.ready
-	$(PY) scripts/prepare_models.py
+	$(PY) scripts/prepare_models.py --only tiny
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
@@ -29,6 +29,7 @@ lint: $(VENV)/.ready
 
 bench: $(VENV)/.ready
 	$(PY) benchmarks/bench_core.py
+	$(PY) benchmarks/bench_processor.py
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .ruff_cache .hypothesis

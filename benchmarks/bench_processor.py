@@ -1,0 +1,127 @@
+"""Benchmark of the vLLM logits processor.
+
+1. ``apply()`` per decode step, batches of 1, 32 and 256 rows (half Bregman with mixed modes,
+   alphas and lambdas, half plain), V in {49152, 128256}, against vLLM's own
+   ``apply_top_k_top_p`` (top-k 50, top-p 0.9) on the same logits, side by side.
+2. End-to-end offline throughput on SmolLM2-135M-Instruct (this CPU), batch 32, the same prompts
+   and ``max_tokens`` with and without Bregman decoding on every request, interleaved on one
+   engine (A B A B ...). Target: at most 5% fewer tokens/s with Bregman.
+
+    python benchmarks/bench_processor.py                 # both parts
+    python benchmarks/bench_processor.py --part apply    # only part 1
+    python benchmarks/bench_processor.py --part e2e --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bregman_args(row: int) -> dict:
+    choices = [
+        {"bregman_mode": "primal", "bregman_alpha": 1.5, "bregman_lambda": 0.01},
+        {"bregman_mode": "dual", "bregman_alpha": 3.0, "bregman_lambda": 1e-3},
+        {"bregman_mode": "primal", "bregman_alpha": 2.0, "bregman_lambda": 1e-4},
+        {"bregman_mode": "primal", "bregman_alpha": 1.0, "bregman_lambda": 0.05},
+    ]
+    return choices[row % len(choices)]
+
+
+def bench_apply(repeats: int) -> None:
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    from bregman_vllm.adapter import BregmanLogitsProcessor
+
+    print("part 1: apply() per decode step (median ms; half the rows Bregman, half plain)")
+    print(f"{'batch':>6} {'vocab':>7} {'bregman apply':>14} {'vLLM top-k/top-p':>17} {'ratio':>7}")
+    for vocab in (49152, 128256):
+        for batch in (1, 32, 256):
+            proc = BregmanLogitsProcessor(object(), torch.device("cpu"), False)
+            added = []
+            for row in range(batch):
+                extra = bregman_args(row) if row % 2 == 0 else None
+                added.append((row, SamplingParams(temperature=1.0, extra_args=extra), None, []))
+            proc.update_state(BatchUpdate(batch, [], added, []))
+            g = torch.Generator().manual_seed(batch)
+            scale = 3.0 + 4.0 * torch.rand(batch, 1, generator=g)
+            logits = torch.randn(batch, vocab, generator=g) * scale
+            top_k = torch.full((batch,), 50, dtype=torch.long)
+            top_p = torch.full((batch,), 0.9)
+            bregman_times, vllm_times = [], []
+            proc.apply(logits.clone())  # warm-up
+            apply_top_k_top_p(logits.clone(), top_k, top_p)
+            for _ in range(repeats):
+                work = logits.clone()
+                start = time.perf_counter()
+                proc.apply(work)
+                bregman_times.append(time.perf_counter() - start)
+                work = logits.clone()
+                start = time.perf_counter()
+                apply_top_k_top_p(work, top_k, top_p)
+                vllm_times.append(time.perf_counter() - start)
+            b, v = statistics.median(bregman_times), statistics.median(vllm_times)
+            print(f"{batch:>6} {vocab:>7} {b * 1e3:14.2f} {v * 1e3:17.2f} {b / v:7.2f}")
+
+
+def bench_end_to_end(rounds: int, batch: int, max_tokens: int) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM, SamplingParams
+
+    model = ROOT / "models" / "smollm2-135m-instruct"
+    if not (model / "config.json").exists():
+        raise SystemExit(f"{model} missing: run `python scripts/prepare_models.py --only smollm2`")
+    start = time.perf_counter()
+    llm = LLM(str(model), seed=0, max_num_seqs=batch, max_model_len=1024)
+    print(f"\npart 2: end-to-end on {model.name} (engine start {time.perf_counter() - start:.0f} s)"
+          f", batch {batch}, {max_tokens} tokens per request")
+    prompts = [f"Write a short story about a {animal}." for animal in
+               ["cat", "dog", "fox", "owl", "bee", "cow", "eel", "ant"] * (batch // 8 + 1)]
+    prompts = prompts[:batch]
+
+    def params(bregman: bool, row: int) -> SamplingParams:
+        return SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=row,
+                              extra_args=bregman_args(row) if bregman else None)
+
+    results: dict[bool, list[float]] = {False: [], True: []}
+    llm.generate(prompts[:4], [params(True, i) for i in range(4)], use_tqdm=False)  # warm-up
+    for _ in range(rounds):
+        for bregman in (False, True):
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, [params(bregman, i) for i in range(batch)],
+                                   use_tqdm=False)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            results[bregman].append(tokens / seconds)
+            print(f"  {'bregman' if bregman else 'plain  '}: {tokens / seconds:8.1f} tokens/s")
+    plain, bregman = statistics.median(results[False]), statistics.median(results[True])
+    print(f"median tokens/s: plain {plain:.1f}, bregman {bregman:.1f}, "
+          f"throughput change {100 * (bregman / plain - 1):+.1f}%")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["apply", "e2e", "all"], default="all")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    if args.part in ("apply", "all"):
+        bench_apply(args.repeats)
+    if args.part in ("e2e", "all"):
+        bench_end_to_end(args.rounds, args.batch, args.max_tokens)
+
+
+if __name__ == "__main__":
+    main()
