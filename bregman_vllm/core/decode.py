@@ -253,35 +253,58 @@ def _renorm_at(mode: str, cand: _Candidates, k: Tensor, alpha: Tensor,
     return _log_renorm(mode, cand.log_p[:, :width], k, alpha, log_deficit, generator)
 
 
-def _gap_exceeds(mode: str, cand: _Candidates, m: Tensor, alpha: Tensor, lam: Tensor,
-                 generator: BregmanGenerator | None = None) -> Tensor:
-    """G(m) > lambda, per row (1 <= m < number of candidates): one exact probe."""
-    width = int(m.max()) + 1
-    sizes = torch.stack([m, m + 1], -1)  # [n, 2]
+#: Support sizes the first probe of an adaptive search covers at once (most k* are small).
+WINDOW = 16
+
+
+def _window_exceeds(mode: str, cand: _Candidates, start: Tensor, count: int, alpha: Tensor,
+                    lam: Tensor, generator: BregmanGenerator | None = None) -> Tensor:
+    """G(m) > lambda for m = start .. start + count - 1 per row ([n, count]), from the exact maps
+    on the count + 1 consecutive supports (1 <= start, start + count <= candidates)."""
+    sizes = start.unsqueeze(-1) + torch.arange(count + 1, device=start.device)  # [n, count + 1]
+    width = int(sizes.max())
     log_p = cand.log_p[:, :width]
     deficit = torch.gather(cand.deficit, 1, sizes)
-    pair = _log_renorm(mode, log_p.unsqueeze(1).expand(-1, 2, -1), sizes,
-                       alpha.unsqueeze(-1).expand(-1, 2), torch.log(deficit), generator)
-    log_q, log_q_next = pair[:, 0], pair[:, 1]
+    maps = _log_renorm(mode, log_p.unsqueeze(1).expand(-1, count + 1, -1), sizes,
+                       alpha.unsqueeze(-1).expand(-1, count + 1), torch.log(deficit), generator)
+    log_q, log_q_next = maps[:, :-1], maps[:, 1:]
+    m = sizes[:, :-1]
+    a = alpha.unsqueeze(-1).expand(-1, count)
+    rows = log_p.unsqueeze(1).expand(-1, count, -1)
     if generator is not None:
-        gap = generic_gap(mode, generator, torch.exp(log_p), torch.exp(log_q),
+        gap = generic_gap(mode, generator, torch.exp(rows), torch.exp(log_q),
                           torch.exp(log_q_next), m)
-        return gap > lam
+        return gap > lam.unsqueeze(-1)
     if mode == "primal":
-        log_gap = primal_log_gap(log_q, log_q_next, m, alpha)
+        log_gap = primal_log_gap(log_q, log_q_next, m, a)
     else:
-        log_gap = dual_log_gap(log_p, log_q, log_q_next, m, alpha)
-    return log_gap > torch.log(lam)
+        log_gap = dual_log_gap(rows, log_q, log_q_next, m, a)
+    return log_gap > torch.log(lam).unsqueeze(-1)
 
 
 def _search(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, low: Tensor,
             high: Tensor, generator: BregmanGenerator | None = None) -> Tensor:
     """Smallest k in [low, high] with G(k) <= lambda, where G(high) <= lambda is taken as given.
 
-    Galloping (m = low, low + 1, low + 3, ...) then bisection: O(log k*) probes. All rows advance
-    together; each probe runs only on the rows still searching.
+    One window probe decides G(low .. low + WINDOW - 1) at once (k* is usually small); rows beyond
+    it continue by galloping (m = low, low + 1, low + 3, ...) then bisection: O(log k*) probes.
+    All rows advance together; each probe runs only on the rows still searching.
     """
     low, high = low.clone(), high.clone()
+    active = (low < high).nonzero().squeeze(-1)
+    if active.numel():
+        lo, hi = low[active], high[active]
+        count = int(min(WINDOW, int((hi - lo).max())))
+        sub = _Candidates(*(t[active] for t in cand))
+        start = torch.minimum(lo, hi - count).clamp_min(1)  # keep the window inside [1, hi]
+        exceeds = _window_exceeds(mode, sub, start, count, alpha[active], lam[active], generator)
+        m = start.unsqueeze(-1) + torch.arange(count, device=lo.device)
+        # Sizes below low are known to exceed; at or beyond high the search stops by definition.
+        stop = (~exceeds | (m >= hi.unsqueeze(-1))) & (m >= lo.unsqueeze(-1))
+        first = torch.where(stop, m, hi.unsqueeze(-1)).amin(-1)
+        covered = start + count  # every size below this was decided
+        high[active] = torch.where(first < covered, first, hi)
+        low[active] = torch.where(first < covered, first, torch.maximum(lo, covered))
     step = torch.ones_like(low)
     galloping = torch.ones_like(low, dtype=torch.bool)
     while True:
@@ -292,7 +315,7 @@ def _search(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, low: Tenso
         gal = galloping[active]
         m = torch.where(gal, torch.minimum(lo + step[active] - 1, hi - 1), (lo + hi) // 2)
         sub = _Candidates(*(t[active] for t in cand))
-        exceeds = _gap_exceeds(mode, sub, m, alpha[active], lam[active], generator)
+        exceeds = _window_exceeds(mode, sub, m, 1, alpha[active], lam[active], generator)[:, 0]
         low[active] = torch.where(exceeds, m + 1, lo)
         high[active] = torch.where(exceeds, hi, m)
         step[active] = torch.where(exceeds & gal, step[active] * 2, step[active])

@@ -30,8 +30,8 @@ import torch
 from .numerics import log1mexp, logsumexp_masked
 from .primal import (
     MAX_ITERATIONS,
-    NEWTON_TOLERANCE,
     _normalized,
+    converged,
     kl_log_renorm,
     square_log_renorm,
     support_mask,
@@ -43,6 +43,20 @@ Tensor = torch.Tensor
 _LOG1MEXP_AT_ONE = math.log(1.0 - math.exp(-1.0))
 
 
+def _inner_terms(beta: Tensor, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """H(e^z) = beta y + log(1 - e^-y) and dH/dz = beta y + y / expm1(y), with y = e^z.
+
+    For y < 1e-8 (e^z may underflow: z reaches -1000 for alpha = 1000) the expansions
+    log(1 - e^-y) = z - y/2 + O(y^2) and y / expm1(y) = 1 - y/2 + O(y^2) replace the closed forms.
+    """
+    y = torch.exp(z)
+    tiny = z < math.log(1e-8)
+    big = torch.where(tiny, torch.ones_like(y), y)
+    value = torch.where(tiny, z - 0.5 * y, log1mexp(big)) + beta * y
+    slope = torch.where(tiny, 1.0 - 0.5 * y, big / torch.expm1(big)) + beta * y
+    return value, slope, y
+
+
 def _inner_solve(beta: Tensor, target: Tensor, z: Tensor, low: Tensor, high: Tensor) -> Tensor:
     """Solve H(e^z) = target for z, elementwise, by safeguarded Newton from the warm start z.
 
@@ -51,13 +65,14 @@ def _inner_solve(beta: Tensor, target: Tensor, z: Tensor, low: Tensor, high: Ten
     y_hi = max(1, (target - log(1 - 1/e)) / beta) (H(y) >= beta y + log(1 - 1/e) for y >= 1).
     """
     z = torch.where((z > low) & (z < high), z, 0.5 * (low + high))
+    previous = torch.full_like(z, math.inf)
     for _ in range(MAX_ITERATIONS):
-        y = torch.exp(z)
-        value = beta * y + log1mexp(y) - target
-        step = value / (beta * y + y / torch.expm1(y))
+        value, slope, y = _inner_terms(beta, z)
+        value = value - target
+        step = value / slope
         # Rounding in value scales with the size of its terms.
-        done = (value.abs() <= 1e-15 * (1.0 + target.abs() + beta * y)) | (
-            step.abs() <= 1e-15 * (1.0 + z.abs()))
+        done = converged(value, previous, step, z, 4e-16 * (1.0 + target.abs() + beta * y))
+        previous = value
         if bool(done.all()):
             break
         low = torch.where(value < 0, z, low)
@@ -115,11 +130,13 @@ def nested_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
 
     s = start
     z = torch.zeros_like(log_p)
+    previous = torch.full_like(s, math.inf)
     for _ in range(MAX_ITERATIONS):
         q, rate, z = outputs(s, z)
         value = q.sum(-1) - 1.0
         step = value / (q * rate).sum(-1)
-        done = (value.abs() <= NEWTON_TOLERANCE) | (step.abs() <= 2e-16 * (1.0 + s.abs()))
+        done = converged(value, previous, step, s)
+        previous = value
         if bool(done.all()):
             break
         low = torch.where(value < 0, s, low)

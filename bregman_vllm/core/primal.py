@@ -36,8 +36,19 @@ from .numerics import log_expm1, logsumexp_masked
 
 Tensor = torch.Tensor
 
-NEWTON_TOLERANCE = 1e-15
+# |sum q - 1| at which Newton stops: a few ulps of a sum of O(1) terms (the rounding floor).
+NEWTON_TOLERANCE = 4e-15
 MAX_ITERATIONS = 100
+
+
+def converged(value: Tensor, previous: Tensor, step: Tensor, x: Tensor,
+              tolerance: Tensor | float = NEWTON_TOLERANCE) -> Tensor:
+    """Stopping rule shared by the Newton loops: the residual is at the rounding floor, the step
+    is below float64 resolution, or the residual stopped halving once within a few ulps of the
+    tolerance (stagnation at the floor, where rounding rather than the iteration decides it)."""
+    floor = 4.0 * tolerance
+    return ((value.abs() <= tolerance) | (step.abs() <= 2e-16 * (1.0 + x.abs()))
+            | ((value.abs() <= floor) & (value.abs() >= 0.5 * previous.abs())))
 
 
 def support_mask(k: Tensor, width: int) -> Tensor:
@@ -145,10 +156,12 @@ def _newton(evaluate, x: Tensor, low: Tensor, high: Tensor) -> Tensor:
     monotonically to the root (convexity); a step that leaves the bracket bisects instead. A row
     stops once |F| <= NEWTON_TOLERANCE or its step is below float64 resolution.
     """
+    previous = torch.full_like(x, math.inf)
     for _ in range(MAX_ITERATIONS):
         value, slope = evaluate(x)
         step = value / slope
-        done = (value.abs() <= NEWTON_TOLERANCE) | (step.abs() <= 2e-16 * (1.0 + x.abs()))
+        done = converged(value, previous, step, x)
+        previous = value
         if bool(done.all()):
             break
         low = torch.where(value < 0, x, low)

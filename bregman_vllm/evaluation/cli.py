@@ -1,0 +1,211 @@
+"""``bregman-eval``: measure Bregman decoding against any OpenAI-compatible endpoint.
+
+Subcommands::
+
+    bregman-eval run  --endpoint URL [--config SPEC ...] [--grid-k 5,10,20 --grid-alpha 1.5,2]
+                      [--tasks open,gsm8k] [--limit N] [--passages N] [--max-tokens N]
+                      [--model-dir DIR] [--kstar auto|off|local|logprobs|both] [--out DIR]
+    bregman-eval plot [--result DIR/results.json] [--theory] [--out DIR]
+
+``run`` writes results.json (every number with its configuration), results.md (tables in the
+paper's layout), samples.jsonl (every generation) and the result figures into ``--out``.
+Configuration specs are described in `bregman_vllm.evaluation.configs`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .configs import DEFAULT_K_MAX, TASKS, DecodingConfig, grid_configs, parse_config
+from .runner import KSTAR_SOURCES, RunOptions
+from .tasks import DEFAULT_CORPUS, DEFAULT_FEWSHOT, DEFAULT_GSM8K, PROMPT_TOKENS
+
+DEFAULT_CONFIGS = ("primal:1.5:0.01", "primal:2:0.01", "dual:1.5:0.01")
+
+
+def _floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bregman-eval", description="Reproduce the paper's measurements (open-ended "
+        "generation gaps, GSM8K accuracy, adaptivity of k*) against an OpenAI-compatible "
+        "endpoint, and draw its figures.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run an evaluation", description=__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = run.add_argument_group("endpoint")
+    where.add_argument("--endpoint", default="http://127.0.0.1:8000/v1",
+                       help="OpenAI-compatible base URL (default %(default)s)")
+    where.add_argument("--model", help="model name (default: the first one the endpoint lists)")
+    where.add_argument("--api-key", help="bearer key for the endpoint")
+    where.add_argument("--ours", action="store_true",
+                       help="the endpoint is our server: send bregman_* fields at the top level "
+                       "(default: inside vllm_xargs, which vLLM's server and ours both read)")
+    where.add_argument("--concurrency", type=int, default=8,
+                       help="requests in flight (default %(default)s)")
+    where.add_argument("--timeout", type=float, default=900.0, help="seconds per request")
+    what = run.add_argument_group("configurations")
+    what.add_argument("--config", action="append", default=[], metavar="SPEC",
+                      help="a decoding configuration, repeatable: primal:1.5:0.01, dual:2:0.001:"
+                      "T=0.7, primal:2:k=10, topk:10, sample; suffix @open or @gsm8k restricts "
+                      "it to a task (default without --config/--grid-k: "
+                      f"{', '.join(DEFAULT_CONFIGS)})")
+    what.add_argument("--grid-k", type=_ints, default=[],
+                      help="the paper's partial evaluation on the open task: top-k and primal "
+                      "generalized top-k for each of these k (e.g. 5,10,20,50)")
+    what.add_argument("--grid-alpha", type=_floats, default=[1.5, 2.0],
+                      help="alphas of the grid besides top-k (default 1.5,2)")
+    what.add_argument("--temperature", type=float, default=1.0,
+                      help="default temperature of configurations without T= (default 1)")
+    what.add_argument("--k-max", type=int, default=DEFAULT_K_MAX,
+                      help="cap on k* for adaptive configurations without kmax= (default "
+                      "%(default)s as in the paper; 0: none)")
+    what.add_argument("--no-matched-topk", dest="matched", action="store_false",
+                      help="skip the matched top-k baselines (k = round(mean k*))")
+    what.add_argument("--matched-topk", dest="matched", action="store_true", default=True,
+                      help="run a top-k baseline with k = round(mean k*) for every adaptive "
+                      "configuration and task (default; needs k*)")
+    tasks = run.add_argument_group("tasks")
+    tasks.add_argument("--tasks", default="open,gsm8k",
+                       help="comma-separated: open, gsm8k (default %(default)s)")
+    tasks.add_argument("--passages", type=int, default=32,
+                       help="open: number of prompts (default %(default)s)")
+    tasks.add_argument("--max-tokens", type=int, default=256,
+                       help="open: continuation length, human and generated (paper: 256)")
+    tasks.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS,
+                       help="open: prompt length in tokens (paper: 35)")
+    tasks.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS,
+                       help="open: a .txt corpus (blank-line separated blocks) or a .jsonl one "
+                       "(default tinyshakespeare)")
+    tasks.add_argument("--corpus-field", default="text", help="open: the jsonl text field")
+    tasks.add_argument("--limit", type=int, default=50,
+                       help="gsm8k: first N test problems (default %(default)s; 0: all 1319)")
+    tasks.add_argument("--gsm8k-max-tokens", type=int, default=256,
+                       help="gsm8k: answer length (default %(default)s)")
+    tasks.add_argument("--gsm8k-test", type=Path, default=DEFAULT_GSM8K)
+    tasks.add_argument("--gsm8k-fewshot", type=Path, default=DEFAULT_FEWSHOT)
+    adapt = run.add_argument_group("k* (adaptivity)")
+    adapt.add_argument("--kstar", choices=KSTAR_SOURCES, default="auto",
+                       help="how k* is obtained: local = recomputed with transformers from "
+                       "--model-dir; logprobs = reported by vLLM run with --logprobs-mode "
+                       "processed_logprobs and --max-logprobs >= 51; both; off; auto = local if "
+                       "--model-dir is given, else off")
+    adapt.add_argument("--model-dir", help="local copy of the served model's weights")
+    adapt.add_argument("--kstar-dtype", default="auto",
+                       help="dtype of the local forward pass (default: the checkpoint's)")
+    adapt.add_argument("--kstar-logprobs", type=int, default=64,
+                       help="top logprobs requested for --kstar logprobs without k_max")
+    adapt.add_argument("--local-tokenizer", action="store_true",
+                       help="tokenize with --model-dir's tokenizer instead of the endpoint's "
+                       "/tokenize")
+    output = run.add_argument_group("output")
+    output.add_argument("--out", type=Path, default=Path("out/eval"),
+                        help="output directory (default %(default)s)")
+    output.add_argument("--seed", type=int, default=0, help="run seed (default 0)")
+    output.add_argument("--resamples", type=int, default=1000,
+                        help="bootstrap resamples (default 1000, as in the paper)")
+    output.add_argument("--no-progress", dest="progress", action="store_false")
+    output.add_argument("--no-figures", dest="figures", action="store_false")
+
+    plot = sub.add_parser("plot", help="draw the figures")
+    plot.add_argument("--result", type=Path, help="a results.json from `bregman-eval run`")
+    plot.add_argument("--theory", action="store_true",
+                      help="also draw the paper's explanatory figures (default when no "
+                      "--result is given)")
+    plot.add_argument("--out", type=Path, default=Path("out/eval"),
+                      help="output directory (default %(default)s)")
+    return parser
+
+
+def configs_from_args(args: argparse.Namespace) -> list[DecodingConfig]:
+    k_max = args.k_max if args.k_max and args.k_max > 0 else None
+    specs = list(args.config)
+    if not specs and not args.grid_k:
+        specs = list(DEFAULT_CONFIGS)
+    configs = [parse_config(s, default_temperature=args.temperature, default_k_max=k_max)
+               for s in specs]
+    if args.grid_k:
+        configs += grid_configs(args.grid_k, args.grid_alpha, args.temperature)
+    seen: dict[str, DecodingConfig] = {}
+    for config in configs:
+        seen.setdefault(config.label, config)
+    return list(seen.values())
+
+
+def options_from_args(args: argparse.Namespace, argv: Sequence[str]) -> RunOptions:
+    tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks:
+        raise ValueError(f"unknown task(s) {unknown}; choose from {', '.join(TASKS)}")
+    return RunOptions(
+        endpoint=args.endpoint, configs=configs_from_args(args), model=args.model,
+        api_key=args.api_key, ours=args.ours, tasks=tasks, matched=args.matched,
+        passages=args.passages, max_tokens=args.max_tokens, prompt_tokens=args.prompt_tokens,
+        corpus=args.corpus, corpus_field=args.corpus_field, gsm8k_path=args.gsm8k_test,
+        fewshot_path=args.gsm8k_fewshot, limit=args.limit or None,
+        gsm8k_max_tokens=args.gsm8k_max_tokens, concurrency=args.concurrency, seed=args.seed,
+        kstar=args.kstar, model_dir=args.model_dir, kstar_dtype=args.kstar_dtype,
+        kstar_logprobs=args.kstar_logprobs, local_tokenizer=args.local_tokenizer,
+        resamples=args.resamples, progress=args.progress, timeout=args.timeout,
+        extra={"command": "bregman-eval " + shlex.join(argv)})
+
+
+def cmd_run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from .figures import result_figures
+    from .report import write_outputs
+    from .runner import run
+
+    options = options_from_args(args, argv)
+    options.kstar_sources()  # fail before any request on a bad --kstar / --model-dir
+    result, samples = asyncio.run(run(options))
+    paths = write_outputs(result, samples, args.out)
+    made = result_figures(result, args.out) if args.figures else []
+    for path in [*paths.values(), *made]:
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from .figures import result_figures, theory_figures
+
+    made = []
+    if args.theory or args.result is None:
+        made += theory_figures(args.out)
+    if args.result is not None:
+        made += result_figures(json.loads(args.result.read_text()), args.out)
+    for path in made:
+        print(f"wrote {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``bregman-eval``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "run":
+            return cmd_run(args, argv)
+        return cmd_plot(args)
+    except (ValueError, RuntimeError) as exc:
+        print(f"bregman-eval: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
