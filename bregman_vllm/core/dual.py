@@ -51,6 +51,8 @@ def _inner_terms(beta: Tensor, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """
     y = torch.exp(z)
     tiny = z < math.log(1e-8)
+    if not bool(tiny.any()):  # the common case: skip the expansion branch
+        return log1mexp(y) + beta * y, y / torch.expm1(y) + beta * y, y
     big = torch.where(tiny, torch.ones_like(y), y)
     value = torch.where(tiny, z - 0.5 * y, log1mexp(big)) + beta * y
     slope = torch.where(tiny, 1.0 - 0.5 * y, big / torch.expm1(big)) + beta * y
@@ -143,7 +145,13 @@ def nested_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
         high = torch.where(value > 0, s, high)
         proposal = s - step
         inside = (proposal > low) & (proposal < high) & torch.isfinite(proposal)
-        s = torch.where(done, s, torch.where(inside, proposal, 0.5 * (low + high)))
+        moved = torch.where(done, s, torch.where(inside, proposal, 0.5 * (low + high)))
+        # Predict each y_i at the new s to first order (dy/ds = rate), so the inner Newton
+        # starts next to its root.
+        y = torch.exp(z)
+        predicted = y + rate * (moved - s).unsqueeze(-1)
+        z = torch.where(predicted > 0.5 * y, torch.log(predicted), z)
+        s = moved
     target = s.unsqueeze(-1) - beta * lp
     y = torch.exp(_inner_solve(beta, target, z, *inner_bracket(target)))
     log_q = torch.where(finite, lp + y, s.unsqueeze(-1) / beta)
