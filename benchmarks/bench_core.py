@@ -79,6 +79,26 @@ def vllm_top_p() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     return lambda logits, p: apply_top_k_top_p(logits, None, p)
 
 
+def decode_cases(p: torch.Tensor, logits: torch.Tensor, top_p, device: str
+                 ) -> dict[str, Callable[[], object]]:
+    """The timed calls for one [B, V] input (closures over this function's arguments)."""
+    cases: dict[str, Callable[[], object]] = {
+        "torch.softmax": lambda: torch.softmax(logits, -1),
+        "primal a=1.5 lam=0.01 (adaptive)": lambda: bregman_decode(p, alpha=1.5, lam=0.01),
+        "primal a=1.5 lam=1e-4 (adaptive)": lambda: bregman_decode(p, alpha=1.5, lam=1e-4),
+        "primal a=1 lam=0.01 (adaptive top-k)": lambda: bregman_decode(p, alpha=1.0, lam=0.01),
+        "primal a=3 lam=0.01 (root finding)": lambda: bregman_decode(p, alpha=3.0, lam=0.01),
+        "dual a=1.5 lam=0.01": lambda: bregman_decode(p, alpha=1.5, lam=0.01, mode="dual"),
+        "dual a=3 lam=0.01": lambda: bregman_decode(p, alpha=3.0, lam=0.01, mode="dual"),
+        "primal a=1.5 top_k=50 (fixed)": lambda: bregman_decode(p, alpha=1.5, lam=0.0, top_k=50),
+        "torch.topk k=50": lambda: torch.topk(p, 50),
+    }
+    if top_p is not None:
+        threshold = torch.full((p.shape[0],), 0.9, device=device)
+        cases["vLLM apply_top_k_top_p (top-p 0.9)"] = lambda: top_p(logits.clone(), threshold)
+    return cases
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -100,30 +120,11 @@ def main() -> None:
             logits = torch.log(p)
             print(f"\n[{batch}, {vocab}] {describe(p)}")
             print(header)
-            cases: dict[str, Callable[[], object]] = {
-                "torch.softmax": lambda: torch.softmax(logits, -1),
-                "primal a=1.5 lam=0.01 (adaptive)":
-                    lambda: bregman_decode(p, alpha=1.5, lam=0.01),
-                "primal a=1.5 lam=1e-4 (adaptive)":
-                    lambda: bregman_decode(p, alpha=1.5, lam=1e-4),
-                "primal a=1 lam=0.01 (adaptive top-k)":
-                    lambda: bregman_decode(p, alpha=1.0, lam=0.01),
-                "primal a=3 lam=0.01 (root finding)":
-                    lambda: bregman_decode(p, alpha=3.0, lam=0.01),
-                "dual a=1.5 lam=0.01": lambda: bregman_decode(p, alpha=1.5, lam=0.01, mode="dual"),
-                "dual a=3 lam=0.01": lambda: bregman_decode(p, alpha=3.0, lam=0.01, mode="dual"),
-                "primal a=1.5 top_k=50 (fixed)":
-                    lambda: bregman_decode(p, alpha=1.5, lam=0.0, top_k=50),
-                "torch.topk k=50": lambda: torch.topk(p, 50),
-            }
-            if top_p is not None:
-                threshold = torch.full((batch,), 0.9, device=device)
-                cases["vLLM apply_top_k_top_p (top-p 0.9)"] = \
-                    lambda: top_p(logits.clone(), threshold)
+            cases = decode_cases(p, logits, top_p, device)
             timings = measure(cases, device, args.repeats)
             base = timings["torch.softmax"]
             for name, seconds in timings.items():
-                print(f"{str([batch, vocab]):>14} {name:<34} {seconds * 1e3:9.3f} "
+                print(f"{[batch, vocab]!s:>14} {name:<34} {seconds * 1e3:9.3f} "
                       f"{seconds / base:10.2f}")
 
     # Worst cases: k* in the thousands (flat rows, tiny lambda) and lambda = 0.
@@ -152,7 +153,7 @@ def main() -> None:
         extra = ""
         if name in k_values:
             extra = f"  (median k* {int(k_values[name].float().median().item())})"
-        print(f"{str([batch, vocab]):>14} {name:<34} {seconds * 1e3:9.3f} "
+        print(f"{[batch, vocab]!s:>14} {name:<34} {seconds * 1e3:9.3f} "
               f"{seconds / base:10.2f}{extra}")
 
 

@@ -18,6 +18,19 @@ else
   device=cpu
 fi
 
+# tests/test_deploy.py renders deploy/docker-compose.yml with a real Compose implementation (no
+# engine needed). --no-install-recommends: otherwise apt also pulls in docker.io.
+if ! command -v docker-compose >/dev/null 2>&1 && ! docker compose version >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "bootstrap: installing docker-compose (apt)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      --no-install-recommends docker-compose >/dev/null
+  else
+    echo "bootstrap: tests/test_deploy.py needs docker-compose (Debian: apt-get install" \
+      "--no-install-recommends docker-compose) or the docker compose plugin" >&2
+  fi
+fi
+
 stamp="$VENV/.bootstrap-$device-$(cat requirements/"$device".txt requirements/dev.txt pyproject.toml | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then
   exit 0

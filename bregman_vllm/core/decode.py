@@ -286,12 +286,14 @@ def _search(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, low: Tenso
             high: Tensor, generator: BregmanGenerator | None = None) -> Tensor:
     """Smallest k in [low, high] with G(k) <= lambda, where G(high) <= lambda is taken as given.
 
-    One window probe decides G(low .. low + WINDOW - 1) at once (k* is usually small); rows beyond
-    it continue by galloping (m = low, low + 1, low + 3, ...) then bisection: O(log k*) probes.
-    All rows advance together; each probe runs only on the rows still searching.
+    Rows starting at low = 1: one window probe decides G(1 .. WINDOW) at once (k* is usually
+    small), then galloping (m = low, low + 1, low + 3, ...) and bisection: O(log k*) probes. Rows
+    of a later candidate round (low > 1, high = 8 low) bisect [low, high]. All rows advance
+    together; each probe runs only on the rows still searching.
     """
     low, high = low.clone(), high.clone()
-    active = (low < high).nonzero().squeeze(-1)
+    first_round = low == 1  # later rounds know k* >= low: they bisect [low, high] directly
+    active = ((low < high) & first_round).nonzero().squeeze(-1)
     if active.numel():
         lo, hi = low[active], high[active]
         count = int(min(WINDOW, int((hi - lo).max())))
@@ -306,7 +308,7 @@ def _search(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, low: Tenso
         high[active] = torch.where(first < covered, first, hi)
         low[active] = torch.where(first < covered, first, torch.maximum(lo, covered))
     step = torch.ones_like(low)
-    galloping = torch.ones_like(low, dtype=torch.bool)
+    galloping = first_round.clone()
     while True:
         active = (low < high).nonzero().squeeze(-1)
         if active.numel() == 0:

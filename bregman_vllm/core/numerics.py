@@ -74,37 +74,64 @@ def bregman_alpha_kernel(alpha: Tensor, rho: Tensor) -> Tensor:
     r = torch.where(torch.isfinite(rho), rho, zero)
     a = alpha
     b = a - 1.0
-    near_one = b.abs() <= 0.25
-
-    # Series: u_n = (1 + a + ... + a^(n-2)) rho^(n-2), u_{n+1} = rho^(n-1) + (a rho) u_n.
     in_series = (r.abs() <= 0.25) & ((a * r).abs() <= 0.25)
-    rs = torch.where(in_series, r, zero)
-    ars = a * rs
-    u = torch.ones_like(rs)
-    power = rs.clone()
-    total = torch.zeros_like(rs)
+    log_k = torch.log(_series(a, torch.where(in_series, r, zero)).clamp_min(0.0))
+    # The other regions cost transcendental functions on every element: only when present.
+    rest = ~in_series
+    if bool(rest.any()):
+        near_one = b.abs() <= 0.25
+        log_k = torch.where(rest & near_one & (r <= 40.0), _near_one(a, b, r, zero), log_k)
+        log_k = torch.where(rest & near_one & (r > 40.0), _near_one_large(a, b, r), log_k)
+        moderate = (r.abs() <= 40.0) & ((a * r).abs() <= 40.0)
+        log_k = torch.where(rest & ~near_one & moderate, _moderate(a, b, r, moderate, zero),
+                            log_k)
+        log_k = torch.where(rest & ~near_one & ~moderate, _far(a, b, r, zero), log_k)
+    at_neg_inf = torch.where(a > 0, -torch.log(a.abs()), torch.full_like(a, math.inf))
+    log_k = torch.where(torch.isneginf(rho), at_neg_inf, log_k)
+    return torch.where(torch.isposinf(rho), torch.full_like(a, math.inf), log_k)
+
+
+def _series(a: Tensor, r: Tensor) -> Tensor:
+    """K_alpha(r) = r^2 sum_n u_n / n! with u_2 = 1, u_{n+1} = r^(n-1) + (a r) u_n (|r|, |ar|
+    <= 1/4; u_n = (1 + a + ... + a^(n-2)) r^(n-2))."""
+    ar = a * r
+    u = torch.ones_like(r)
+    power = r.clone()
+    total = torch.zeros_like(r)
     factorial = 2.0
     for n in range(2, 2 + _SERIES_TERMS):
         total = total + u / factorial
-        u = power + ars * u
-        power = power * rs
+        u = power + ar * u
+        power = power * r
         factorial *= n + 1
-    k_series = rs * rs * total
+    return r * r * total
 
-    # alpha near 1.
-    rn = torch.where(near_one & (r <= 40.0), r, zero)
+
+def _near_one(a: Tensor, b: Tensor, r: Tensor, zero: Tensor) -> Tensor:
+    """|alpha - 1| <= 1/4, rho <= 40: log of [e^r expm1(b r)/b - expm1(r)] / alpha."""
+    rn = torch.where(r <= 40.0, r, zero)
     safe_b = torch.where(b == 0, torch.ones_like(b), b)
     e1 = torch.where(b == 0, rn, torch.expm1(b * rn) / safe_b)
-    k_near_one = (torch.exp(rn) * e1 - torch.expm1(rn)) / a
-    rl = torch.where(near_one & (r > 40.0), r, torch.full_like(r, 41.0))
-    e1_large = torch.where(b == 0, rl, torch.expm1(b * rl) / safe_b)
-    log_near_one_large = rl + torch.log(e1_large - 1.0 + torch.exp(-rl)) - torch.log(a)
+    return torch.log(((torch.exp(rn) * e1 - torch.expm1(rn)) / a).clamp_min(0.0))
 
-    # alpha away from 1.
-    moderate = (r.abs() <= 40.0) & ((a * r).abs() <= 40.0)
+
+def _near_one_large(a: Tensor, b: Tensor, r: Tensor) -> Tensor:
+    """|alpha - 1| <= 1/4, rho > 40: rho + log(E - 1 + e^-rho) - log(alpha)."""
+    rl = torch.where(r > 40.0, r, torch.full_like(r, 41.0))
+    safe_b = torch.where(b == 0, torch.ones_like(b), b)
+    e1 = torch.where(b == 0, rl, torch.expm1(b * rl) / safe_b)
+    return rl + torch.log(e1 - 1.0 + torch.exp(-rl)) - torch.log(a)
+
+
+def _moderate(a: Tensor, b: Tensor, r: Tensor, moderate: Tensor, zero: Tensor) -> Tensor:
+    """|rho|, |alpha rho| <= 40: log [expm1(alpha rho) - alpha expm1(rho)] / (alpha (alpha-1))."""
     rm = torch.where(moderate, r, zero)
-    safe_den = torch.where(near_one, torch.ones_like(a), a * b)
-    k_linear = (torch.expm1(a * rm) - a * torch.expm1(rm)) / safe_den
+    den = torch.where(b == 0, torch.ones_like(a), a * b)
+    return torch.log(((torch.expm1(a * rm) - a * torch.expm1(rm)) / den).clamp_min(0.0))
+
+
+def _far(a: Tensor, b: Tensor, r: Tensor, zero: Tensor) -> Tensor:
+    """Large arguments: max-shifted log|e^(alpha rho) - alpha e^rho + (alpha - 1)| - log|a(a-1)|."""
     t1 = a * r
     t2 = torch.log(a.abs()) + r
     t3 = torch.log(b.abs())
@@ -112,21 +139,8 @@ def bregman_alpha_kernel(alpha: Tensor, rho: Tensor) -> Tensor:
     top = torch.where(torch.isfinite(top), top, zero)
     mixed = (torch.exp(t1 - top) - torch.sign(a) * torch.exp(t2 - top)
              + torch.sign(b) * torch.exp(t3 - top))
-    den = torch.where(near_one, torch.ones_like(a), (a * b).abs())
-    log_far = top + torch.log(mixed.abs()) - torch.log(den)
-
-    k_small = torch.where(near_one, k_near_one, k_linear)
-    k_small = torch.where(in_series, k_series, k_small).clamp_min(0.0)
-    log_k = torch.log(k_small)
-    use_near_large = near_one & (r > 40.0) & ~in_series
-    use_far = ~near_one & ~moderate & ~in_series
-    log_k = torch.where(use_near_large, log_near_one_large, log_k)
-    log_k = torch.where(use_far, log_far, log_k)
-
-    at_neg_inf = torch.where(a > 0, -torch.log(a.abs()), torch.full_like(a, math.inf))
-    log_k = torch.where(torch.isneginf(rho), at_neg_inf, log_k)
-    log_k = torch.where(torch.isposinf(rho), torch.full_like(a, math.inf), log_k)
-    return log_k
+    den = torch.where(b == 0, torch.ones_like(a), (a * b).abs())
+    return top + torch.log(mixed.abs()) - torch.log(den)
 
 
 def logsumexp_masked(x: Tensor, mask: Tensor, dim: int = -1) -> Tensor:
