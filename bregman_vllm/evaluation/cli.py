@@ -6,6 +6,7 @@ Subcommands::
                       [--tasks open,gsm8k] [--limit N] [--passages N] [--max-tokens N]
                       [--model-dir DIR] [--kstar auto|off|local|logprobs|both] [--out DIR]
     bregman-eval plot [--result DIR/results.json] [--theory] [--out DIR]
+    bregman-eval report DIR/results.json
 
 ``run`` writes results.json (every number with its configuration), results.md (tables in the
 paper's layout), samples.jsonl (every generation) and the result figures into ``--out``.
@@ -115,7 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     output = run.add_argument_group("output")
     output.add_argument("--out", type=Path, default=Path("out/eval"),
                         help="output directory (default %(default)s)")
-    output.add_argument("--seed", type=int, default=0, help="run seed (default 0)")
+    output.add_argument("--seed", type=int, default=0,
+                        help="run seed: passage choice, per-request sampling seeds, bootstrap "
+                        "(default 0)")
+    output.add_argument("--no-request-seeds", dest="request_seeds", action="store_false",
+                        help="send no per-request seed (for endpoints that refuse them; the "
+                        "generations are then not reproducible)")
     output.add_argument("--resamples", type=int, default=1000,
                         help="bootstrap resamples (default 1000, as in the paper)")
     output.add_argument("--no-progress", dest="progress", action="store_false")
@@ -128,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "--result is given)")
     plot.add_argument("--out", type=Path, default=Path("out/eval"),
                       help="output directory (default %(default)s)")
+
+    rerender = sub.add_parser("report", help="rewrite results.md (and the result figures) "
+                              "from a results.json")
+    rerender.add_argument("result", type=Path, help="a results.json from `bregman-eval run`")
+    rerender.add_argument("--no-figures", dest="figures", action="store_false")
     return parser
 
 
@@ -158,6 +169,7 @@ def options_from_args(args: argparse.Namespace, argv: Sequence[str]) -> RunOptio
         corpus=args.corpus, corpus_field=args.corpus_field, gsm8k_path=args.gsm8k_test,
         fewshot_path=args.gsm8k_fewshot, limit=args.limit or None,
         gsm8k_max_tokens=args.gsm8k_max_tokens, concurrency=args.concurrency, seed=args.seed,
+        request_seeds=args.request_seeds,
         kstar=args.kstar, model_dir=args.model_dir, kstar_dtype=args.kstar_dtype,
         kstar_logprobs=args.kstar_logprobs, local_tokenizer=args.local_tokenizer,
         resamples=args.resamples, progress=args.progress, timeout=args.timeout,
@@ -192,6 +204,19 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from .figures import result_figures
+    from .report import markdown_report
+
+    result = json.loads(args.result.read_text())
+    path = args.result.with_name("results.md")
+    path.write_text(markdown_report(result))
+    made = result_figures(result, args.result.parent) if args.figures else []
+    for written in [path, *made]:
+        print(f"wrote {written}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``bregman-eval``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -201,6 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "run":
             return cmd_run(args, argv)
+        if args.command == "report":
+            return cmd_report(args)
         return cmd_plot(args)
     except (ValueError, RuntimeError) as exc:
         print(f"bregman-eval: error: {exc}", file=sys.stderr)

@@ -11,9 +11,11 @@ Everything the harness asks of an endpoint goes through `EndpointClient`:
 * ``tokenize`` / ``detokenize``: vLLM's ``POST /tokenize`` and ``/detokenize`` (our server
   forwards them), or a local Hugging Face tokenizer (`LocalTokenizer`) for endpoints without them.
 
-Requests run concurrently under a semaphore (``concurrency``), so the server batches them;
-transient failures (connection errors, timeouts, HTTP 408/429/5xx) are retried with exponential
-backoff.
+Requests run concurrently, so the server batches them: at most ``concurrency`` generation
+requests, and besides them at most ``concurrency // 4`` (>= 1) short prefill-only scoring and
+tokenizer requests on a semaphore of their own (behind one shared semaphore, a finished sample's
+scoring request would queue behind every generation still waiting). Transient failures
+(connection errors, timeouts, HTTP 408/429/5xx) are retried with exponential backoff.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class EndpointClient:
 
     ``ours=True`` sends the Bregman fields at the top level of the body (our server's native
     form); otherwise they go inside ``vllm_xargs``, which both vLLM's server and ours accept.
+    ``send_seeds=False`` leaves the per-request seeds out (for endpoints that refuse them);
+    generations are then not reproducible.
     """
 
     base_url: str
@@ -78,8 +82,10 @@ class EndpointClient:
     timeout: float = 600.0
     retries: int = 4
     ours: bool = False
+    send_seeds: bool = True
     _client: httpx.AsyncClient | None = field(default=None, init=False, repr=False)
     _semaphore: asyncio.Semaphore | None = field(default=None, init=False, repr=False)
+    _light: asyncio.Semaphore | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.base_url = self.base_url.rstrip("/")
@@ -93,10 +99,12 @@ class EndpointClient:
 
     async def __aenter__(self) -> EndpointClient:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        limits = httpx.Limits(max_connections=self.concurrency + 2,
-                              max_keepalive_connections=self.concurrency + 2)
+        light = max(1, self.concurrency // 4)
+        limits = httpx.Limits(max_connections=self.concurrency + light + 2,
+                              max_keepalive_connections=self.concurrency + light + 2)
         self._client = httpx.AsyncClient(headers=headers, timeout=self.timeout, limits=limits)
         self._semaphore = asyncio.Semaphore(self.concurrency)
+        self._light = asyncio.Semaphore(light)
         if self.model is None:
             self.model = await self.first_model()
         return self
@@ -109,15 +117,17 @@ class EndpointClient:
     # ------------------------------------------------------------------ transport
 
     async def _request(self, method: str, url: str, body: dict[str, Any] | None = None,
-                       ) -> dict[str, Any]:
-        """One JSON request under the concurrency bound, retried on transient failures."""
-        if self._client is None or self._semaphore is None:
+                       light: bool = False) -> dict[str, Any]:
+        """One JSON request under the concurrency bound (``light``: the scoring / tokenizer
+        one), retried on transient failures."""
+        if self._client is None or self._semaphore is None or self._light is None:
             raise RuntimeError("use `async with EndpointClient(...)`")
+        semaphore = self._light if light else self._semaphore
         delay = 0.5
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
             try:
-                async with self._semaphore:
+                async with semaphore:
                     response = await self._client.request(method, url, json=body)
             except (httpx.TransportError, httpx.TimeoutException) as exc:
                 if last:
@@ -144,20 +154,21 @@ class EndpointClient:
             raise EndpointError("the endpoint lists no model; pass --model")
         return str(models[0]["id"])
 
-    async def completions(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def completions(self, body: dict[str, Any], light: bool = False) -> dict[str, Any]:
         return await self._request("POST", f"{self.base_url}/completions",
-                                   {"model": self.model, **body})
+                                   {"model": self.model, **body}, light=light)
 
     # ------------------------------------------------------------------ tokenizer
 
     async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         data = await self._request("POST", f"{self.root_url}/tokenize", {
-            "model": self.model, "prompt": text, "add_special_tokens": add_special_tokens})
+            "model": self.model, "prompt": text, "add_special_tokens": add_special_tokens},
+            light=True)
         return [int(t) for t in data["tokens"]]
 
     async def detokenize(self, ids: Sequence[int]) -> str:
         data = await self._request("POST", f"{self.root_url}/detokenize",
-                                   {"model": self.model, "tokens": list(ids)})
+                                   {"model": self.model, "tokens": list(ids)}, light=True)
         return str(data["prompt"])
 
     # ------------------------------------------------------------------ generation and scoring
@@ -194,7 +205,9 @@ class EndpointClient:
         """
         body: dict[str, Any] = {
             "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": temperature,
-            "seed": seed, "return_token_ids": True, **self.decoding_fields(fields)}
+            "return_token_ids": True, **self.decoding_fields(fields)}
+        if self.send_seeds:
+            body["seed"] = seed
         if stop:
             body["stop"] = list(stop)
         if support_logprobs:
@@ -228,7 +241,8 @@ class EndpointClient:
             return []
         ids = [*prompt_ids, *continuation_ids]
         data = await self.completions({
-            "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0, "temperature": 1.0})
+            "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0, "temperature": 1.0},
+            light=True)
         choice = data["choices"][0]
         values = _prompt_logprobs(choice, ids)
         tail = values[len(prompt_ids):]

@@ -35,8 +35,9 @@ class DecodingConfig:
 
     kind: "bregman" (our processor), "topk" (vLLM's top_k) or "sample" (no truncation).
     For "bregman": ``top_k`` set means fixed-k generalized top-k, otherwise adaptive k* with
-    price ``lam`` and cap ``k_max``. ``matched_to`` names the adaptive configuration whose
-    rounded mean k* this top-k baseline uses.
+    price ``lam`` and cap ``k_max``. ``matched_to`` marks a top-k configuration that was added
+    as a matched baseline (it names the adaptive configuration that first asked for it; a
+    result's per-task ``matched`` mapping lists every pairing).
     """
 
     kind: str

@@ -101,24 +101,26 @@ def cost_curve(p: np.ndarray, alpha: float, lam: float, mode: str) -> np.ndarray
 # ----------------------------------------------------------------------------- theory figures
 
 
-def plot_alpha_reshape(path: Path, *, vocab: int = 20, k: int = 10,
+def plot_alpha_reshape(path: Path, *, vocab: int = 100, k: int = 10, shown: int = 15,
                        alphas: Sequence[float] = (0.25, 1.0, 2.5)) -> Path:
-    """Figure 1: the top-k distribution after primal alpha-renormalization (k = 10)."""
-    p = zipf(vocab)
+    """Figure 1: the top-k distribution after primal alpha-renormalization (k = 10) of a
+    Zipf-like p over ``vocab`` tokens (the first ``shown`` ranks are drawn)."""
+    p = zipf(vocab, exponent=1.0)
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    positions = np.arange(1, vocab + 1)
+    positions = np.arange(1, shown + 1)
     width = 0.8 / (len(alphas) + 1)
-    ax.bar(positions - 0.4 + width / 2, p, width, color="0.6", label="original p")
+    ax.bar(positions - 0.4 + width / 2, p[:shown], width, color="0.6", label="original p")
     colors = plt.cm.viridis(np.linspace(0.1, 0.85, len(alphas)))
     for j, alpha in enumerate(alphas):
         q = np.zeros(vocab)
         q[:k] = renorm(p[:k], alpha, "primal")
         name = f"alpha = {alpha:g}" + (" (top-k)" if alpha == 1.0 else "")
-        ax.bar(positions - 0.4 + (j + 1.5) * width, q, width, color=colors[j], label=name)
+        ax.bar(positions - 0.4 + (j + 1.5) * width, q[:shown], width, color=colors[j],
+               label=name)
     ax.axvline(k + 0.5, color="k", ls=":", lw=1)
-    ax.text(k + 0.6, ax.get_ylim()[1] * 0.9, f"k = {k}: tokens beyond\nare dropped", fontsize=8,
-            va="top")
-    ax.set_xlabel("token rank i")
+    ax.text(k + 0.6, ax.get_ylim()[1] * 0.6, f"k = {k}: tokens\nbeyond are\ndropped",
+            fontsize=8, va="top")
+    ax.set_xlabel(f"token rank i (first {shown} of V = {vocab})")
     ax.set_ylabel("probability")
     ax.set_xticks(positions)
     ax.set_title(f"Primal Bregman alpha-decoding of a Zipf-like distribution (k = {k})")
@@ -277,12 +279,13 @@ def plot_kstar_hist(result: dict[str, Any], path: Path) -> Path | None:
         hist = {int(k): v for k, v in stats["histogram"].items()}
         ks = np.arange(1, max(hist) + 1)
         counts = np.array([hist.get(int(k), 0) for k in ks], dtype=np.float64)
-        ax.step(ks, counts / counts.sum(), where="mid",
+        ax.plot(ks, counts / counts.sum(), marker="o", ms=3,
+                ls="-" if task == "open" else "--",
                 label=f"{task}: {label} (mean {stats['mean']:.2f}, "
                       f"H = {stats['entropy_bits']:.2f} bits)")
     ax.set_xlabel("k* (support size chosen at a decoding step)")
     ax.set_ylabel("fraction of steps")
-    ax.set_xscale("log")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_title("Adaptivity: distribution of k*")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)

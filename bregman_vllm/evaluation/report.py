@@ -41,6 +41,14 @@ def _configs(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {c["label"]: c for c in result["configs"]}
 
 
+def _matched_to(task: dict[str, Any]) -> dict[str, str]:
+    """For each top-k baseline of a task, the adaptive configurations it is matched to."""
+    out: dict[str, list[str]] = {}
+    for adaptive, baseline in (task.get("matched") or {}).items():
+        out.setdefault(baseline, []).append(f"`{adaptive}`")
+    return {baseline: ", ".join(names) for baseline, names in out.items()}
+
+
 def _k_text(config: dict[str, Any]) -> str:
     if config.get("top_k") is not None:
         return str(config["top_k"])
@@ -102,13 +110,14 @@ def open_section(result: dict[str, Any]) -> list[str]:
                  "Perplexity gap = E[ppl(human)] − E[ppl(generated)]; repetition gap = "
                  "P(rep(generated)) − P(rep(human)); closer to 0 is better.")
     lines.append("")
+    matched_to = _matched_to(task)
     rows = []
     for row in task["results"]:
         config = configs[row["config"]]
         ks = row.get("kstar")
         name = f"`{row['config']}`"
-        if config.get("matched_to"):
-            name += f" (matched to `{config['matched_to']}`)"
+        if row["config"] in matched_to:
+            name += f" (matched to {matched_to[row['config']]})"
         rows.append([name, _k_text(config), f"{ks['mean']:.2f}" if ks else "—",
                      fmt(row["ppl"]), fmt(row["ppl_gap"]), fmt(row["rep"], 3),
                      fmt(row["rep_gap"], 3), f"{row['mean_length']:.1f}"])
@@ -159,12 +168,13 @@ def gsm8k_section(result: dict[str, Any]) -> list[str]:
     configs = _configs(result)
     lines = [f"## GSM8K ({task['problems']} problems, 8-shot chain of thought, up to "
              f"{meta['max_tokens']} tokens, exact match of the final number)", ""]
+    matched_to = _matched_to(task)
     rows = []
     for row in task["results"]:
         config = configs[row["config"]]
         ks = row.get("kstar")
         rows.append([f"`{row['config']}`", _k_text(config), fmt(row["accuracy"]),
-                     f"`{config['matched_to']}`" if config.get("matched_to") else "",
+                     matched_to.get(row["config"], ""),
                      f"{ks['mean']:.2f}" if ks else "—", f"{row['mean_length']:.1f}"])
     lines.append(_table(["configuration", "k", "accuracy (%)", "matched to", "mean k*",
                          "mean length"], rows))

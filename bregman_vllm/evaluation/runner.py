@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,7 @@ class RunOptions:
     gsm8k_max_tokens: int = 256
     concurrency: int = 8
     seed: int = 0
+    request_seeds: bool = True
     kstar: str = "auto"
     model_dir: str | None = None
     kstar_dtype: str = "auto"
@@ -102,6 +103,7 @@ class RunOptions:
         return {
             "endpoint": self.endpoint, "model": self.model, "ours": self.ours,
             "tasks": list(self.tasks), "matched_topk": self.matched, "seed": self.seed,
+            "request_seeds": self.request_seeds,
             "concurrency": self.concurrency, "bootstrap_resamples": self.resamples,
             "open": {"passages": self.passages, "prompt_tokens": self.prompt_tokens,
                      "max_tokens": self.max_tokens, "corpus": _short_path(self.corpus),
@@ -322,7 +324,11 @@ async def _run_task(task: _TaskRun, configs: list[DecodingConfig], options: RunO
             if baseline.label not in known:
                 known.add(baseline.label)
                 extra.append(baseline)
-                all_configs.setdefault(baseline.label, baseline)
+                same = all_configs.get(baseline.label)
+                if same is None:
+                    all_configs[baseline.label] = baseline
+                elif same.tasks is not None:  # e.g. a grid top-k that ran on another task
+                    all_configs[baseline.label] = replace(same, tasks=(*same.tasks, task.name))
         if extra:
             samples.update(await _sample_all(task, extra, kstar, f"{task.name}: matched top-k",
                                              options.progress))
@@ -361,6 +367,7 @@ async def run(options: RunOptions) -> tuple[dict[str, Any], list[dict[str, Any]]
     result: dict[str, Any] = {}
     async with EndpointClient(options.endpoint, model=options.model, api_key=options.api_key,
                               concurrency=options.concurrency, ours=options.ours,
+                              send_seeds=options.request_seeds,
                               timeout=options.timeout) as client:
         options.model = client.model
         tokenizer: Tokenizer = client
