@@ -1,0 +1,370 @@
+"""Live tests of the server: real `bregman-serve` processes and a real vLLM on loopback.
+
+One embedded server (``python -m server.cli --model models/tiny-llama``, which starts vLLM as its
+child) serves the module; a second server in upstream mode, with an API key and a server-wide
+default of primal Bregman decoding with ``bregman_top_k=3``, forwards to the same vLLM child, so
+the module pays for one vLLM start.
+
+The child runs with ``--logprobs-mode processed_logprobs`` (an engine argument forwarded by our
+CLI), so the returned top logprobs are those of the distribution that was sampled: a token
+outside the Bregman support has logprob -inf (vLLM writes -9999). Counting finite top logprobs
+therefore shows, end to end, whether and how the Bregman fields reached the processor.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from .test_server_support import (
+    ServerProcess,
+    finite_top_logprobs,
+    free_port,
+    prometheus_value,
+    require_tiny_model,
+    server_environment,
+    shut_down,
+)
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(600)]
+
+MODEL = "models/tiny-llama"
+PROMPT = "ROMEO:\n"
+TOP = 5  # top logprobs asked for; vLLM returns these plus the sampled token
+
+
+class Live:
+    """The module's servers."""
+
+    def __init__(self, embedded: ServerProcess, guarded: ServerProcess, vllm_url: str,
+                 api_key: str) -> None:
+        self.embedded = embedded
+        self.guarded = guarded
+        self.vllm_url = vllm_url
+        self.api_key = api_key
+
+    def client(self, guarded: bool = False, api_key: str | None = None) -> openai.OpenAI:
+        server = self.guarded if guarded else self.embedded
+        key = api_key if api_key is not None else (self.api_key if guarded else "unused")
+        return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0,
+                             timeout=60)
+
+    def vllm_metrics(self) -> str:
+        return httpx.get(self.vllm_url + "/metrics", timeout=5).text
+
+    def running(self) -> float:
+        return prometheus_value(self.vllm_metrics(), "vllm:num_requests_running")
+
+    def finished(self) -> float:
+        """Requests vLLM completed normally (stop string / EOS or length limit)."""
+        text = self.vllm_metrics()
+        return sum(prometheus_value(text, "vllm:request_success_total", finished_reason=reason)
+                   for reason in ("stop", "length"))
+
+    def generated(self) -> float:
+        return prometheus_value(self.vllm_metrics(), "vllm:generation_tokens_total")
+
+    def our_metrics(self) -> str:
+        return httpx.get(self.embedded.url + "/metrics", timeout=5).text
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    require_tiny_model()
+    logs = tmp_path_factory.mktemp("server-logs")
+    vllm_port = free_port()
+    child_key = secrets.token_hex(16)
+    env = server_environment()
+    # The child's own key, so that the second (upstream-mode) server can reach it too.
+    env["BREGMAN_UPSTREAM_API_KEY"] = child_key
+    embedded = ServerProcess(
+        ["--model", MODEL, "--vllm-port", str(vllm_port), "--child-exit-grace", "1",
+         # forwarded to vLLM unchanged:
+         "--logprobs-mode", "processed_logprobs", "--max-num-seqs", "32"],
+        logs / "embedded.log", env=env)
+    api_key = secrets.token_hex(8)
+    vllm_url = f"http://127.0.0.1:{vllm_port}"
+    guarded = ServerProcess(
+        ["--upstream", vllm_url, "--upstream-api-key", child_key, "--api-key", api_key,
+         "--default-mode", "primal", "--default-top-k", "3", "--health-interval", "0.5"],
+        logs / "guarded.log")
+    try:
+        embedded.start().wait_healthy(timeout=480)
+        guarded.start().wait_healthy(timeout=60)
+        yield Live(embedded, guarded, vllm_url, api_key)
+    finally:
+        try:
+            shut_down(guarded)
+        finally:
+            shut_down(embedded)  # SIGTERM: vLLM and its engine stop too, exit status 0
+
+
+def completion_logprobs(response: Any) -> list[int]:
+    """Finite top-logprob counts per generated position of a completion."""
+    return [finite_top_logprobs(entry) for entry in response.choices[0].logprobs.top_logprobs]
+
+
+def sample_kwargs(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 1.0,
+            "logprobs": TOP, **extra}
+
+
+# --- health, models, docs -----------------------------------------------------------------------
+
+def test_health_models_and_docs(live: Live) -> None:
+    health = httpx.get(live.embedded.url + "/health").json()
+    assert health["status"] == "ok" and health["mode"] == "embedded"
+    assert health["vllm_child"] == "running"
+    assert [m.id for m in live.client().models.list()] == [MODEL]
+    spec = httpx.get(live.embedded.url + "/openapi.json").json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert "requestBody" in spec["paths"][path]["post"]
+    props = spec["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"bregman_mode", "bregman_alpha", "bregman_lambda", "bregman_top_k",
+            "bregman_k_max"} <= set(props)
+    assert "(0, inf)" in props["bregman_alpha"]["description"]
+    assert httpx.get(live.embedded.url + "/docs").status_code == 200
+
+
+# --- the openai SDK -----------------------------------------------------------------------------
+
+def test_sdk_completion_with_bregman_fields_reaches_the_processor(live: Live) -> None:
+    client = live.client()
+    plain = client.completions.create(**sample_kwargs())
+    assert all(count >= TOP for count in completion_logprobs(plain))
+    fixed = client.completions.create(**sample_kwargs(
+        extra_body={"bregman_mode": "primal", "bregman_alpha": 2, "bregman_top_k": 2}))
+    assert completion_logprobs(fixed) == [2, 2, 2, 2]
+    assert fixed.choices[0].text and fixed.usage.completion_tokens == 4
+    # Adaptive: a large sparsity price keeps only the top token (the greedy property).
+    adaptive = client.completions.create(**sample_kwargs(
+        extra_body={"bregman_alpha": 1.5, "bregman_lambda": 10.0}))
+    assert completion_logprobs(adaptive) == [1, 1, 1, 1]
+
+
+def test_sdk_completion_stream(live: Live) -> None:
+    stream = live.client().completions.create(
+        **sample_kwargs(max_tokens=8, logprobs=None, stream=True,
+                        extra_body={"bregman_mode": "dual", "bregman_alpha": "inf",
+                                    "bregman_top_k": 4}))
+    chunks = list(stream)
+    assert len(chunks) >= 8
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_sdk_chat_and_chat_stream(live: Live) -> None:
+    client = live.client()
+    messages = [{"role": "user", "content": "Speak, Romeo."}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, temperature=1.0, logprobs=True,
+        top_logprobs=TOP, extra_body={"bregman_top_k": 2, "bregman_k_max": 2})
+    assert reply.choices[0].message.role == "assistant"
+    counts = [finite_top_logprobs(item.top_logprobs) for item in reply.choices[0].logprobs.content]
+    assert counts and all(count == 2 for count in counts)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0.8, stream=True,
+        extra_body={"bregman_mode": "primal", "bregman_alpha": 3, "bregman_lambda": 0.001})
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text
+
+
+# --- raw HTTP, as curl sends it -----------------------------------------------------------------
+
+def test_raw_http_like_curl(live: Live) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 1,
+            "logprobs": TOP, "bregman_alpha": "inf", "bregman_top_k": 3,
+            "ignore_eos": True}  # a vLLM extension: unknown fields pass through
+    response = httpx.post(live.embedded.url + "/v1/completions", content=json.dumps(body),
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code == 200, response.text
+    result = response.json()
+    assert [finite_top_logprobs(e) for e in result["choices"][0]["logprobs"]["top_logprobs"]] \
+        == [3, 3, 3]
+    # Streaming: chunk-by-chunk server-sent events, ending with [DONE].
+    body.update(stream=True, max_tokens=5, logprobs=None)
+    with httpx.stream("POST", live.embedded.url + "/v1/completions", json=body) as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert len(events) >= 6
+    assert all("choices" in json.loads(e.removeprefix("data: ")) for e in events[:-1])
+
+
+def test_top_level_field_beats_vllm_xargs_and_vllm_xargs_pass_through(live: Live) -> None:
+    client = live.client()
+    only_xargs = client.completions.create(**sample_kwargs(
+        extra_body={"vllm_xargs": {"bregman_top_k": 4, "bregman_alpha": 2}}))
+    assert completion_logprobs(only_xargs) == [4, 4, 4, 4]
+    both = client.completions.create(**sample_kwargs(
+        extra_body={"bregman_top_k": 2, "vllm_xargs": {"bregman_top_k": 4}}))
+    assert completion_logprobs(both) == [2, 2, 2, 2]
+    off = client.completions.create(**sample_kwargs(
+        extra_body={"bregman_mode": "off", "vllm_xargs": {"bregman_top_k": 2}}))
+    assert all(count >= TOP for count in completion_logprobs(off))
+
+
+INVALID_FIELDS = [
+    ({"bregman_mode": "greedy"}, "bregman_mode"),
+    ({"bregman_alpha": 0}, "bregman_alpha"),
+    ({"bregman_alpha": -0.5}, "bregman_alpha"),
+    ({"bregman_alpha": "inf"}, "bregman_alpha"),
+    ({"bregman_mode": "dual", "bregman_alpha": 1}, "bregman_alpha"),
+    ({"bregman_mode": "dual", "bregman_alpha": 0.9}, "bregman_alpha"),
+    ({"bregman_lambda": -1}, "bregman_lambda"),
+    ({"bregman_top_k": 0}, "bregman_top_k"),
+    ({"bregman_k_max": 0}, "bregman_k_max"),
+    ({"vllm_xargs": {"bregman_lambda": -2}}, "bregman_lambda"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), INVALID_FIELDS)
+def test_invalid_field_is_a_400_in_openai_shape(live: Live, fields: dict[str, Any],
+                                                param: str) -> None:
+    client = live.client()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body=fields)
+    error = info.value
+    assert error.status_code == 400
+    assert (error.param, error.type, error.code) == (param, "invalid_request_error", None)
+    assert "range" in error.message or "must be" in error.message
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, max_tokens=2, extra_body=fields,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert info.value.param == param
+
+
+def test_fixed_k_allows_infinite_alpha(live: Live) -> None:
+    for alpha in ("inf", "-inf"):
+        result = live.client().completions.create(**sample_kwargs(
+            extra_body={"bregman_alpha": alpha, "bregman_top_k": 2}))
+        assert completion_logprobs(result) == [2, 2, 2, 2]
+
+
+def test_unknown_route_and_passthrough(live: Live) -> None:
+    response = httpx.post(live.embedded.url + "/sleep")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+    response = httpx.post(live.embedded.url + "/tokenize", json={"model": MODEL,
+                                                                 "prompt": PROMPT})
+    assert response.status_code == 200 and response.json()["count"] > 0
+    response = httpx.get(live.embedded.url + "/v1/completions")  # vLLM's 405, OpenAI shape
+    assert response.status_code == 405 and "error" in response.json()
+
+
+# --- auth and server defaults (the upstream-mode server) --------------------------------------
+
+def test_api_key_required_when_configured(live: Live) -> None:
+    with pytest.raises(openai.AuthenticationError) as info:
+        live.client(guarded=True, api_key="wrong").completions.create(**sample_kwargs())
+    assert info.value.code == "invalid_api_key"
+    response = httpx.post(live.guarded.url + "/v1/completions", json=sample_kwargs())
+    assert response.status_code == 401 and response.json()["error"]["param"] is None
+    assert httpx.get(live.guarded.url + "/health").status_code == 200  # probes stay open
+    # The embedded server has no key: any (or no) Authorization works.
+    assert httpx.get(live.embedded.url + "/v1/models").status_code == 200
+
+
+def test_server_defaults_and_explicit_off(live: Live) -> None:
+    client = live.client(guarded=True)
+    default = client.completions.create(**sample_kwargs())
+    assert completion_logprobs(default) == [3, 3, 3, 3]  # --default-mode primal --default-top-k 3
+    own = client.completions.create(**sample_kwargs(extra_body={"bregman_top_k": 2}))
+    assert completion_logprobs(own) == [2, 2, 2, 2]
+    off = client.completions.create(**sample_kwargs(extra_body={"bregman_mode": "off"}))
+    assert all(count >= TOP for count in completion_logprobs(off))
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+# --- disconnects ----------------------------------------------------------------------------------
+
+def wait_until_idle(live: Live, timeout: float = 30.0) -> float:
+    """Wait until vLLM's token count stops moving and it runs nothing; return the count.
+
+    Generous timeout: whether a generation was aborted is judged by vLLM's count of finished
+    requests (an aborted one never finishes), not by how soon it stopped, which depends on how
+    busy the machine is."""
+    deadline = time.monotonic() + timeout
+    before = live.generated()
+    while True:
+        time.sleep(0.5)
+        after = live.generated()
+        if after == before:
+            break
+        assert time.monotonic() < deadline, f"vLLM still generates ({after:g} tokens so far)"
+        before = after
+    while live.running() != 0:  # vLLM's gauge drops back to 0
+        assert time.monotonic() < deadline, "vLLM still reports running requests"
+        time.sleep(0.1)
+    return after
+
+
+# 8 sequences of 2000 tokens: several seconds of work for vLLM even when the machine is quiet.
+LONG = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "n": 8, "ignore_eos": True,
+        "temperature": 1.0, "bregman_alpha": 2.0, "bregman_lambda": 0.001}
+FULL = 8 * 2000
+
+
+def test_client_disconnect_mid_stream_aborts_the_generation(live: Live) -> None:
+    start = wait_until_idle(live)
+    finished = live.finished()
+    disconnects = prometheus_value(live.our_metrics(), "bregman_server_client_disconnects_total",
+                                   default=0.0, kind="stream")
+    with httpx.Client(timeout=30) as client, client.stream(
+            "POST", live.embedded.url + "/v1/completions", json={**LONG, "stream": True}
+    ) as response:
+        assert response.status_code == 200, response.read()
+        received = 0
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                received += 1
+                if received == 20:
+                    break  # closes the connection
+        assert received == 20
+        # The engine got our request and is generating it (vLLM's own counters).
+        assert live.generated() > start
+    end = wait_until_idle(live)
+    assert received <= end - start < FULL
+    assert live.finished() == finished, "vLLM finished the generation instead of aborting it"
+    assert prometheus_value(live.our_metrics(), "bregman_server_client_disconnects_total",
+                            kind="stream") == disconnects + 1
+    # The server still serves.
+    assert live.client().completions.create(**sample_kwargs()).choices[0].text is not None
+    assert httpx.get(live.embedded.url + "/health").status_code == 200
+
+
+def test_client_disconnect_while_waiting_for_a_non_streaming_answer(live: Live) -> None:
+    start = wait_until_idle(live)
+    finished = live.finished()
+    try:
+        response = httpx.post(live.embedded.url + "/v1/completions", json=LONG,
+                              timeout=httpx.Timeout(10, read=0.5))
+    except httpx.ReadTimeout:
+        pass  # the client gave up: the server must abort the generation
+    else:
+        pytest.fail(f"answered before the client gave up: {response.status_code} "
+                    f"{response.text[:500]}")
+    end = wait_until_idle(live)
+    assert 0 < end - start < FULL
+    assert live.finished() == finished, "vLLM finished the generation instead of aborting it"
+    assert live.client().completions.create(**sample_kwargs()).usage.completion_tokens == 4
+
+
+def test_metrics_by_endpoint_and_mode(live: Live) -> None:
+    live.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+        extra_body={"bregman_mode": "dual", "bregman_alpha": 2})
+    text = live.our_metrics()
+    assert prometheus_value(text, "bregman_server_requests_total",
+                            endpoint="/v1/chat/completions", mode="dual", status="200") >= 1
+    assert prometheus_value(text, "bregman_server_requests_total",
+                            endpoint="/v1/completions", mode="invalid", status="400") >= 1
+    assert prometheus_value(text, "bregman_server_request_duration_seconds_count",
+                            endpoint="/v1/completions", mode="primal") >= 1
+    assert prometheus_value(text, "bregman_server_upstream_healthy") == 1

@@ -1,0 +1,234 @@
+"""Helpers for the live server tests (no tests here): real `bregman-serve` processes on loopback.
+
+`ServerProcess` starts ``python -m server.cli ...`` in a session of its own, waits for its
+/health, remembers every descendant it has seen (the vLLM child and its engine processes), and
+on teardown checks that a SIGTERM stopped them all, then SIGKILLs whatever is left so that a
+failing test never leaves processes behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_MODEL = ROOT / "models" / "tiny-llama"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def require_tiny_model() -> Path:
+    if not (TINY_MODEL / "config.json").exists():
+        raise RuntimeError(f"{TINY_MODEL} is missing: run `python scripts/prepare_models.py "
+                           "--only tiny` (make test does)")
+    return TINY_MODEL
+
+
+def server_environment() -> dict[str, str]:
+    """Our environment minus BREGMAN_* settings (tests pass flags), with a small CPU KV cache."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BREGMAN_")}
+    env.pop("VLLM_API_KEY", None)
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    # Long generations for the disconnect tests: the tiny model was trained on 256 positions.
+    env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+
+
+def _stat(pid: int) -> tuple[int, int, str] | None:
+    """(ppid, pgid, state) of a live process, or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    return int(fields[1]), int(fields[2]), fields[0]
+
+
+def descendants(root: int) -> set[int]:
+    """Live (non-zombie) descendants of ``root``."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            info = _stat(int(entry))
+            if info is not None and info[2] != "Z":
+                children.setdefault(info[0], []).append(int(entry))
+    found: set[int] = set()
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` still runs. A process that has already released its memory on the way
+    out (empty cmdline) counts as gone: on a loaded VM a killed vLLM worker can linger in the
+    kernel for a minute in that state, but it can no longer do anything."""
+    info = _stat(pid)
+    if info is None or info[2] == "Z":
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return bool(cmdline.read())
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def prometheus_value(text: str, name: str, default: float | None = None, **labels: str) -> float:
+    """Sum of the samples of metric ``name`` whose labels include ``labels`` (``default`` when
+    there is none; KeyError if there is no default)."""
+    total = 0.0
+    found = False
+    for line in text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$", line)
+        if not match or match.group(1) != name:
+            continue
+        sample = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+        if all(sample.get(k) == v for k, v in labels.items()):
+            total += float(match.group(3))
+            found = True
+    if not found:
+        if default is not None:
+            return default
+        raise KeyError(f"no sample {name}{labels}")
+    return total
+
+
+class ServerProcess:
+    """One ``python -m server.cli`` process and everything it starts."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.args = ["--port", str(self.port), *args]
+        self.log_path = log_path
+        self.env = env if env is not None else server_environment()
+        self.process: subprocess.Popen[bytes] | None = None
+        self.seen: set[int] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def start(self) -> ServerProcess:
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "server.cli", *self.args], cwd=ROOT, env=self.env,
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True)
+        return self
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except FileNotFoundError:
+            return ""
+
+    def remember_descendants(self) -> set[int]:
+        current = descendants(self.pid)
+        self.seen |= current
+        return current
+
+    def wait_healthy(self, timeout: float) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + timeout
+        with httpx.Client(trust_env=False, timeout=2) as client:
+            while True:
+                self.remember_descendants()
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"server exited with {self.process.returncode}:\n"
+                                       f"{self.log_tail()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(self.url + "/health").status_code == 200:
+                        self.remember_descendants()
+                        return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server not healthy after {timeout:g} s:\n"
+                                       f"{self.log_tail()}")
+                time.sleep(0.25)
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM the server (only it: stopping vLLM is its job) and wait for it."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.remember_descendants()
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                return None
+        return self.process.returncode
+
+    def leftovers(self, grace: float = 20.0) -> set[int]:
+        """Processes it started that are still alive after ``grace`` seconds."""
+        deadline = time.monotonic() + grace
+        while True:
+            left = {pid for pid in self.seen if alive(pid)}
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.1)
+
+    def kill_everything(self) -> None:
+        """Last resort, whatever happened: SIGKILL the server's and the children's groups."""
+        groups = set()
+        for pid in ({self.pid} | self.seen) if self.process is not None else set():
+            info = _stat(pid)
+            if info is not None:
+                groups.add(info[1])
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGKILL)
+        for pid in self.seen:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def shut_down(server: ServerProcess, expect_code: int | None = 0) -> None:
+    """Teardown: SIGTERM, then assert a clean exit and no orphans (after killing them)."""
+    try:
+        code = server.stop()
+        left = server.leftovers()
+    finally:
+        server.kill_everything()
+    assert code is not None, f"server ignored SIGTERM:\n{server.log_tail()}"
+    assert not left, f"processes left behind: {sorted(left)}"
+    if expect_code is not None:
+        assert code == expect_code, f"exit code {code}:\n{server.log_tail()}"
+
+
+def finite_top_logprobs(entry: Any) -> int:
+    """How many of one position's top logprobs are finite (vLLM clamps -inf to -9999)."""
+    if isinstance(entry, dict):  # completions: {token: logprob}
+        values = list(entry.values())
+    else:  # chat: [{"token", "logprob", ...}] (dicts, or the SDK's objects)
+        values = [item["logprob"] if isinstance(item, dict) else item.logprob for item in entry]
+    return sum(1 for value in values if value > -9000)
