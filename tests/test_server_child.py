@@ -36,7 +36,8 @@ GRACE = 8.0  # long enough for the checks below on a loaded machine
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     require_tiny_model()
     log = tmp_path_factory.mktemp("child-death") / "server.log"
-    process = ServerProcess(["--model", MODEL, "--child-exit-grace", str(GRACE)], log,
+    process = ServerProcess(["--model", MODEL, "--child-exit-grace", str(GRACE),
+                             "--enforce-eager"], log,
                             env=server_environment())
     try:
         process.start().wait_healthy(timeout=480)

