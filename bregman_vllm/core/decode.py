@@ -258,9 +258,11 @@ WINDOW = 16
 
 
 def _window_exceeds(mode: str, cand: _Candidates, start: Tensor, count: int, alpha: Tensor,
-                    lam: Tensor, generator: BregmanGenerator | None = None) -> Tensor:
+                    lam: Tensor, generator: BregmanGenerator | None = None
+                    ) -> tuple[Tensor, Tensor]:
     """G(m) > lambda for m = start .. start + count - 1 per row ([n, count]), from the exact maps
-    on the count + 1 consecutive supports (1 <= start, start + count <= candidates)."""
+    on the count + 1 consecutive supports (1 <= start, start + count <= candidates); also returns
+    those maps (log T_m for m = start .. start + count, [n, count + 1, W])."""
     sizes = start.unsqueeze(-1) + torch.arange(count + 1, device=start.device)  # [n, count + 1]
     width = int(sizes.max())
     log_p = cand.log_p[:, :width]
@@ -274,24 +276,29 @@ def _window_exceeds(mode: str, cand: _Candidates, start: Tensor, count: int, alp
     if generator is not None:
         gap = generic_gap(mode, generator, torch.exp(rows), torch.exp(log_q),
                           torch.exp(log_q_next), m)
-        return gap > lam.unsqueeze(-1)
+        return gap > lam.unsqueeze(-1), maps
     if mode == "primal":
         log_gap = primal_log_gap(log_q, log_q_next, m, a)
     else:
         log_gap = dual_log_gap(rows, log_q, log_q_next, m, a)
-    return log_gap > torch.log(lam).unsqueeze(-1)
+    return log_gap > torch.log(lam).unsqueeze(-1), maps
 
 
 def _search(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, low: Tensor,
-            high: Tensor, generator: BregmanGenerator | None = None) -> Tensor:
+            high: Tensor, generator: BregmanGenerator | None = None
+            ) -> tuple[Tensor, Tensor, Tensor]:
     """Smallest k in [low, high] with G(k) <= lambda, where G(high) <= lambda is taken as given.
 
     Rows starting at low = 1: one window probe decides G(1 .. WINDOW) at once (k* is usually
     small), then galloping (m = low, low + 1, low + 3, ...) and bisection: O(log k*) probes. Rows
     of a later candidate round (low > 1, high = 8 low) bisect [low, high]. All rows advance
     together; each probe runs only on the rows still searching.
+
+    Returns (k*, log T_k* for the rows the window resolved ([n, W]), which rows those are).
     """
     low, high = low.clone(), high.clone()
+    cache = torch.empty(low.shape[0], 0, dtype=cand.log_p.dtype, device=low.device)
+    cached = torch.zeros_like(low, dtype=torch.bool)
     first_round = low == 1  # later rounds know k* >= low: they bisect [low, high] directly
     active = ((low < high) & first_round).nonzero().squeeze(-1)
     if active.numel():
@@ -299,25 +306,33 @@ def _search(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, low: Tenso
         count = int(min(WINDOW, int((hi - lo).max())))
         sub = _Candidates(*(t[active] for t in cand))
         start = torch.minimum(lo, hi - count).clamp_min(1)  # keep the window inside [1, hi]
-        exceeds = _window_exceeds(mode, sub, start, count, alpha[active], lam[active], generator)
+        exceeds, maps = _window_exceeds(mode, sub, start, count, alpha[active], lam[active],
+                                        generator)
         m = start.unsqueeze(-1) + torch.arange(count, device=lo.device)
         # Sizes below low are known to exceed; at or beyond high the search stops by definition.
         stop = (~exceeds | (m >= hi.unsqueeze(-1))) & (m >= lo.unsqueeze(-1))
         first = torch.where(stop, m, hi.unsqueeze(-1)).amin(-1)
         covered = start + count  # every size below this was decided
-        high[active] = torch.where(first < covered, first, hi)
-        low[active] = torch.where(first < covered, first, torch.maximum(lo, covered))
+        resolved = first < covered
+        high[active] = torch.where(resolved, first, hi)
+        low[active] = torch.where(resolved, first, torch.maximum(lo, covered))
+        # The window already holds T_k* for the rows it resolved: keep it for the output.
+        pick = (first - start).clamp(0, count).view(-1, 1, 1).expand(-1, 1, maps.shape[-1])
+        cache = torch.full((low.shape[0], maps.shape[-1]), -math.inf, dtype=maps.dtype,
+                           device=maps.device)
+        cache[active] = torch.gather(maps, 1, pick).squeeze(1)
+        cached[active] = resolved
     step = torch.ones_like(low)
     galloping = first_round.clone()
     while True:
         active = (low < high).nonzero().squeeze(-1)
         if active.numel() == 0:
-            return low
+            return low, cache, cached
         lo, hi = low[active], high[active]
         gal = galloping[active]
         m = torch.where(gal, torch.minimum(lo + step[active] - 1, hi - 1), (lo + hi) // 2)
         sub = _Candidates(*(t[active] for t in cand))
-        exceeds = _window_exceeds(mode, sub, m, 1, alpha[active], lam[active], generator)[:, 0]
+        exceeds = _window_exceeds(mode, sub, m, 1, alpha[active], lam[active], generator)[0][:, 0]
         low[active] = torch.where(exceeds, m + 1, lo)
         high[active] = torch.where(exceeds, hi, m)
         step[active] = torch.where(exceeds & gal, step[active] * 2, step[active])
@@ -326,8 +341,9 @@ def _search(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, low: Tenso
 
 def _support_sizes(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, fixed: Tensor,
                    cap: Tensor, low: Tensor, generator: BregmanGenerator | None = None,
-                   ) -> tuple[Tensor, Tensor]:
-    """Support size per row and whether it is certified with these candidates.
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Support size per row, whether it is certified with these candidates, and log T_k for the
+    rows whose map the search already computed (with a mask of those rows).
 
     ``low`` is a known lower bound on k* (from earlier rounds).
     """
@@ -340,6 +356,8 @@ def _support_sizes(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, fix
     fixed_k = torch.minimum(fixed, limit)
     done |= is_fixed & (fixed_k <= width)
     k = torch.where(is_fixed, fixed_k, k)
+    cache = torch.empty(k.shape[0], 0, dtype=cand.log_p.dtype, device=k.device)
+    cached = torch.zeros_like(done)
     adaptive = (~is_fixed).nonzero().squeeze(-1)
     if adaptive.numel():
         hi = limit[adaptive]
@@ -363,15 +381,39 @@ def _support_sizes(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, fix
                 found[rows] = torch.minimum(first, upper[rows])
             else:
                 grp = _Candidates(*(t[rows] for t in sub))
-                found[rows] = _search(mode, grp, a[rows], lm[rows], lo[rows], upper[rows],
-                                      generator)
+                found[rows], maps, have = _search(mode, grp, a[rows], lm[rows], lo[rows],
+                                                  upper[rows], generator)
+                if maps.shape[-1] > cache.shape[-1]:
+                    cache = torch.nn.functional.pad(cache, (0, maps.shape[-1] - cache.shape[-1]),
+                                                    value=-math.inf)
+                target = adaptive[rows]
+                cache[target] = torch.nn.functional.pad(
+                    maps, (0, cache.shape[-1] - maps.shape[-1]), value=-math.inf)
+                cached[target] = have
         k[adaptive] = found
         # Certified unless the search ran into the end of the candidate set without a boundary.
         done[adaptive] = (found < width) | bounded
-    return k, done
+    return k, done, cache, cached
 
 
 # ----------------------------------------------------------------------------- driver
+
+
+def _final_maps(plan: _Plan, cand: _Candidates, k: Tensor, alpha: Tensor, cache: Tensor,
+                cached: Tensor) -> Tensor:
+    """log T_k for every row: from the search's cache where it has it, else renormalized now."""
+    todo = (~cached).nonzero().squeeze(-1)
+    if todo.numel() == 0:
+        return cache[:, : int(k.max())]
+    fresh = _renorm_at(plan.mode, _Candidates(*(t[todo] for t in cand)), k[todo], alpha[todo],
+                       plan.generator)
+    if todo.numel() == k.shape[0]:
+        return fresh
+    width = max(fresh.shape[-1], int(k.max()))
+    out = torch.nn.functional.pad(cache[:, :width], (0, max(0, width - cache.shape[-1])),
+                                  value=-math.inf)
+    out[todo] = torch.nn.functional.pad(fresh, (0, width - fresh.shape[-1]), value=-math.inf)
+    return out
 
 
 def _decode_rows(p: Tensor, plan: _Plan) -> tuple[list[tuple[Tensor, Tensor, Tensor, Tensor]],
@@ -405,16 +447,16 @@ def _decode_rows(p: Tensor, plan: _Plan) -> tuple[list[tuple[Tensor, Tensor, Ten
                 invalid.append(now[bad])
                 good = (~bad).nonzero().squeeze(-1)
                 now, cand = now[good], _Candidates(*(t[good] for t in cand))
-            k, done = _support_sizes(plan.mode, cand, plan.alpha[now], plan.lam[now],
-                                     plan.fixed_k[now], plan.k_max[now], low[now],
-                                     plan.generator)
+            k, done, cache, cached = _support_sizes(
+                plan.mode, cand, plan.alpha[now], plan.lam[now], plan.fixed_k[now],
+                plan.k_max[now], low[now], plan.generator)
             if width >= vocab:
                 done = torch.ones_like(done)
             fin = done.nonzero().squeeze(-1)
             if fin.numel():
                 rows = now[fin]
                 sub = _Candidates(*(t[fin] for t in cand))
-                log_q = _renorm_at(plan.mode, sub, k[fin], plan.alpha[rows], plan.generator)
+                log_q = _final_maps(plan, sub, k[fin], plan.alpha[rows], cache[fin], cached[fin])
                 chunks.append((rows, sub.index[:, : log_q.shape[-1]], log_q, k[fin]))
             again = (~done).nonzero().squeeze(-1)
             low[now[again]] = width  # G(k) > lambda for every k < width

@@ -85,13 +85,37 @@ def _inner_solve(beta: Tensor, target: Tensor, z: Tensor, low: Tensor, high: Ten
     return z
 
 
+_LOG_4 = math.log(4.0)
+_LOG_2 = math.log(2.0)
+#: Exponents whose inner equation q^(alpha-2) (q - p) = nu is a quadratic with a closed form.
+CLOSED_INNER = (1.5, 3.0)
+
+
+def _closed_inner_log_q(closed: float, lp: Tensor, finite: Tensor, s: Tensor) -> Tensor:
+    """log q_i as a function of s = log nu where the inner equation is quadratic (positive terms
+    only, so no cancellation):
+
+    alpha = 3/2: q^(-1/2) (q - p) = nu  ->  sqrt(q) = (nu + sqrt(nu^2 + 4 p)) / 2;
+    alpha = 3:   q (q - p) = nu         ->  q = (p + sqrt(p^2 + 4 nu)) / 2.
+    Zero entries follow the same formulas (q = nu^2, resp. sqrt(nu)).
+    """
+    level = s.unsqueeze(-1)
+    lp_all = torch.where(finite, lp, -math.inf)
+    if closed == 1.5:
+        root = 0.5 * torch.logaddexp(2.0 * level, _LOG_4 + lp_all)
+        return 2.0 * (torch.logaddexp(level, root) - _LOG_2)
+    root = 0.5 * torch.logaddexp(2.0 * lp_all, _LOG_4 + level)
+    return torch.logaddexp(lp_all, root) - _LOG_2
+
+
 def nested_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Tensor,
-                      k: Tensor) -> Tensor:
+                      k: Tensor, closed: float | None = None) -> Tensor:
     """Any finite alpha > 1: the nested root finding of Algorithm alg:dual-renormalization.
 
     Outer Newton on s = log nu for sum_i q_i(s) - 1, which is convex and increasing (y_i is convex
     in s and q_i = p_i e^(y_i)), started at the upper end of the bracket so that the iterates
     decrease monotonically; inner Newton for each y_i, warm-started from the previous outer step.
+    With ``closed`` in `CLOSED_INNER` (every row has that alpha) the inner solve is a formula.
     """
     dtype = log_p.dtype
     b = alpha.to(dtype) - 1.0
@@ -121,10 +145,16 @@ def nested_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
                 torch.log(torch.clamp_min((target - _LOG1MEXP_AT_ONE) / beta, 1.0)))
 
     def outputs(s_value: Tensor, z_start: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        target = s_value.unsqueeze(-1) - beta * lp
-        z_new = _inner_solve(beta, target, z_start, *inner_bracket(target))
-        y = torch.exp(z_new)
-        q = torch.exp(torch.where(finite, lp + y, s_value.unsqueeze(-1) / beta)) * keep
+        if closed is not None:
+            log_q = _closed_inner_log_q(closed, lp, finite, s_value)
+            y = torch.where(finite, log_q - lp, 0.0).clamp_min(0.0)
+            z_new = z_start
+        else:
+            target = s_value.unsqueeze(-1) - beta * lp
+            z_new = _inner_solve(beta, target, z_start, *inner_bracket(target))
+            y = torch.exp(z_new)
+            log_q = torch.where(finite, lp + y, s_value.unsqueeze(-1) / beta)
+        q = torch.exp(log_q) * keep
         # dq_i/ds = q_i / H'(y_i), 1 / H'(y) = expm1(y) / (beta expm1(y) + 1); zeros: q_i / beta.
         em1 = torch.expm1(y)
         rate = torch.where(finite, em1 / (beta * em1 + 1.0), 1.0 / beta)
@@ -152,9 +182,12 @@ def nested_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
         predicted = y + rate * (moved - s).unsqueeze(-1)
         z = torch.where(predicted > 0.5 * y, torch.log(predicted), z)
         s = moved
-    target = s.unsqueeze(-1) - beta * lp
-    y = torch.exp(_inner_solve(beta, target, z, *inner_bracket(target)))
-    log_q = torch.where(finite, lp + y, s.unsqueeze(-1) / beta)
+    if closed is not None:
+        log_q = _closed_inner_log_q(closed, lp, finite, s)
+    else:
+        target = s.unsqueeze(-1) - beta * lp
+        y = torch.exp(_inner_solve(beta, target, z, *inner_bracket(target)))
+        log_q = torch.where(finite, lp + y, s.unsqueeze(-1) / beta)
     return _normalized(log_q, mask)
 
 
@@ -184,6 +217,10 @@ def dual_log_renorm(log_p: Tensor, k: Tensor, alpha: Tensor, log_deficit: Tensor
         (a == 2.0, lambda i: square_log_renorm(lp[i], mk[i], ld[i], kk[i])),
         (a == math.inf, lambda i: water_filling_log_renorm(lp[i], mk[i], ld[i])),
     )
+    cases += tuple(
+        (a == value, lambda i, value=value: nested_log_renorm(lp[i], mk[i], a[i], ld[i], kk[i],
+                                                             closed=value))
+        for value in CLOSED_INNER)
     for rows, fn in cases:
         rows = rows & left
         run(rows, fn)

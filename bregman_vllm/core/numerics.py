@@ -99,7 +99,14 @@ def _series(a: Tensor, r: Tensor) -> Tensor:
     power = r.clone()
     total = torch.zeros_like(r)
     factorial = 2.0
-    for n in range(2, 2 + _SERIES_TERMS):
+    # Term n is at most (n-1) x^(n-2) / n! of the first, x = max(|r|, |a r|) <= 1/4: stop once
+    # that is below 1e-17 (6 terms for x = 1e-3, 16 for x = 1/4).
+    x = float(torch.maximum(r.abs().amax(), ar.abs().amax())) if r.numel() else 0.0
+    terms, bound = 1, 1.0
+    while terms < _SERIES_TERMS and bound > 1e-17:
+        terms += 1
+        bound *= x * terms / ((terms + 1) * max(terms - 1, 1))
+    for n in range(2, 2 + max(terms, 2)):
         total = total + u / factorial
         u = power + ar * u
         power = power * r
