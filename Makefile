@@ -20,7 +20,7 @@ demo: $(VENV)/.ready
 	$(PY) -m bregman_vllm.demo
 
 test: $(VENV)/.ready
-	$(PY) scripts/prepare_models.py --only tiny
+	$(PY) scripts/prepare_models.py
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 

@@ -130,10 +130,11 @@ def main() -> None:
     # Worst cases: k* in the thousands (flat rows, tiny lambda) and lambda = 0.
     vocab, batch = args.vocab[-1], args.batch[-1]
     flat = realistic_probs(batch, vocab, device, seed=1, flat=True)
+    flat_logits = torch.log(flat)
     print(f"\nworst cases at [{batch}, {vocab}], flat rows: {describe(flat)}")
     print(header)
     worst: dict[str, Callable[[], object]] = {
-        "torch.softmax": lambda: torch.softmax(torch.log(flat), -1),
+        "torch.softmax": lambda: torch.softmax(flat_logits, -1),
         "primal a=1.5 lam=0 (keeps all)": lambda: bregman_decode(flat, alpha=1.5, lam=0.0),
         "primal a=1.5 lam=1e-9 (flat)": lambda: bregman_decode(flat, alpha=1.5, lam=1e-9),
         "primal a=1 lam=1e-5 (flat)": lambda: bregman_decode(flat, alpha=1.0, lam=1e-5),

@@ -66,6 +66,8 @@ class ChildProcess(Protocol):
 
     def status(self) -> str: ...
 
+    def returncode(self) -> int | None: ...
+
     async def watch(self, on_exit: Callable[[int], None]) -> None: ...
 
 
@@ -147,6 +149,8 @@ def create_app(
     state: dict[str, str | None] = {"child_error": None}
 
     def child_exited(returncode: int) -> None:
+        if state["child_error"] is not None:  # /health may have seen it before the watcher
+            return
         reason = f"the vLLM child exited with code {returncode}"
         state["child_error"] = reason
         pool.force_down(reason)
@@ -279,6 +283,11 @@ def create_app(
         alive and healthy), else 503 with the reason."""
         upstreams = len(pool.upstreams)
         healthy = pool.healthy_count
+        if child is not None and state["child_error"] is None:
+            code = child.returncode()
+            if code is not None:  # died since the watcher's last poll: do not wait for it
+                child_exited(code)
+                healthy = pool.healthy_count
         body: dict[str, Any] = {
             "status": "ok" if healthy else "unavailable",
             "mode": "embedded" if child is not None else "upstream",

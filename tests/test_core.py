@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bregman_vllm import bregman_decode, renormalize
-from bregman_vllm.core.dual import dual_log_renorm
+from bregman_vllm.core.dual import CLOSED_INNER, dual_log_renorm, nested_log_renorm
 from bregman_vllm.core.primal import (
     newton_log_renorm,
     primal_log_renorm,
@@ -171,6 +171,25 @@ def test_dual_map_kkt_residuals(alpha):
     predicted = torch.where(mask, p + torch.exp(log_nu + (2 - alpha) * torch.log(q)), 0.0)
     assert (torch.where(mask, q, 0.0) - predicted).abs().max() < 1e-13
     assert (torch.where(mask, q - p * (1 - 4e-15), 0.0) >= 0).all()  # q_i >= p_i (rounding)
+
+
+@pytest.mark.parametrize("alpha", CLOSED_INNER)
+def test_dual_closed_inner_solve_equals_nested_newton(alpha):
+    """alpha in {3/2, 3}: the quadratic inner formula and the general inner Newton agree, zero
+    entries in the support included."""
+    g = torch.Generator().manual_seed(5)
+    p = torch.softmax(torch.randn(40, 12, generator=g, dtype=F64) * 4, -1)
+    p[::3, -2:] = 0.0
+    p = torch.sort(p / p.sum(-1, keepdim=True), -1, descending=True).values
+    k = torch.randint(1, 13, (40,), generator=g)
+    mask = support_mask(k, 12)
+    log_deficit = torch.log1p(-torch.where(mask, p, 0.0).sum(-1).clamp_max(1 - 1e-300))
+    a = torch.full((40,), alpha, dtype=F64)
+    closed = nested_log_renorm(torch.log(p), mask, a, log_deficit, k, closed=alpha).exp()
+    newton = nested_log_renorm(torch.log(p), mask, a, log_deficit, k).exp()
+    assert not closed.isnan().any()
+    assert (closed - newton).abs().max() < 1e-13
+    assert torch.allclose(closed.sum(-1), torch.ones(40, dtype=F64), atol=1e-14)
 
 
 def test_primal_equals_dual_at_alpha_one_and_two():

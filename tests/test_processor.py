@@ -232,12 +232,14 @@ def test_extreme_valid_parameters_never_crash_the_engine(llm):
     params = [sampling(temperature=t, max_tokens=12, seed=i, extra_args=e)
               for i, e in enumerate(extremes) for t in (0.05, 1.0, 2.0)]
     schema = StructuredOutputsParams(choice=["yes", "no", "maybe"])
-    params += [sampling(temperature=1.0, max_tokens=4, structured_outputs=schema, extra_args=e)
-               for e in extremes]
+    # Room for "maybe" spelled one character per token (5) plus the end of sequence.
+    params += [sampling(temperature=1.0, max_tokens=8, seed=100 + i, structured_outputs=schema,
+                        extra_args=e) for i, e in enumerate(extremes)]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert all(o.finished for o in outputs)
-    assert all(o.outputs[0].text in {"yes", "no", "maybe"} for o in outputs[-len(extremes):])
+    constrained = [o.outputs[0].text for o in outputs[-len(extremes):]]
+    assert all(text in {"yes", "no", "maybe"} for text in constrained), constrained
     top1 = [o for o, p in zip(outputs, params, strict=True)
             if (p.extra_args or {}).get("bregman_top_k") == 1 and p.structured_outputs is None]
     greedy = llm.generate([o.prompt for o in top1], sampling(temperature=0.0, max_tokens=12),

@@ -29,7 +29,7 @@ from .test_server_support import (
 pytestmark = [pytest.mark.server, pytest.mark.timeout(600)]
 
 MODEL = "models/tiny-llama"
-GRACE = 8.0  # long enough for the checks below on a loaded machine
+GRACE = 20.0  # long enough for the checks below on a loaded machine
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_child_death_is_reported_and_the_server_exits(server: ServerProcess) -> 
     body = {"model": MODEL, "prompt": "ROMEO:\n", "max_tokens": 2000, "ignore_eos": True,
             "stream": True, "bregman_alpha": 2.0}
     events: list[str] = []
-    started = time.monotonic()
+    started = killed = time.monotonic()
     with httpx.Client(timeout=httpx.Timeout(30, read=15)) as client, client.stream(
             "POST", server.url + "/v1/completions", json=body) as response:
         assert response.status_code == 200
@@ -75,6 +75,7 @@ def test_child_death_is_reported_and_the_server_exits(server: ServerProcess) -> 
                 events.append(line)
             if len(events) == 10:
                 os.kill(child, signal.SIGKILL)  # the API server only: a crash
+                killed = time.monotonic()
     # The stream ended (no hang) with an error event, then [DONE].
     assert time.monotonic() - started < 20
     assert events[-1] == "data: [DONE]"
@@ -82,10 +83,13 @@ def test_child_death_is_reported_and_the_server_exits(server: ServerProcess) -> 
     assert error["type"] == "upstream_error" and error["message"]
     assert not any("Traceback" in event for event in events)
 
-    health = httpx.get(server.url + "/health", timeout=5)
+    health = httpx.get(server.url + "/health", timeout=15)
+    checked = time.monotonic() - killed
     assert health.status_code == 503, health.text
     assert health.json()["status"] == "unavailable"
     assert "-9" in health.json()["reason"] and "-9" in health.json()["vllm_child"]
+    # Still inside the grace period (a loaded CI machine can stall this client for seconds).
+    assert time.monotonic() - killed < GRACE, f"/health took until {checked:.1f} s after the kill"
     response = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "upstream_unavailable"

@@ -545,12 +545,20 @@ def bregman_decode(
     out = torch.zeros_like(p2)
     k_out = torch.zeros(p2.shape[0], dtype=torch.long, device=probs.device)
     if keep_all.numel():
-        kept = p2[keep_all]
+        # lambda = 0: the whole support, renormalized (k* = number of nonzero entries). Sum in
+        # float64, divide in the input dtype: one pass, no float64 copy of the rows.
+        every_row = keep_all.numel() == p2.shape[0]
+        kept = p2 if every_row else p2[keep_all]
         total = kept.sum(-1, dtype=torch.float64, keepdim=True)
         usable = torch.isfinite(total) & (total > 0)
-        normalized = (kept.clamp_min(0).to(torch.float64) / total).to(p2.dtype)
-        out[keep_all] = torch.where(usable, normalized, kept)
-        k_out[keep_all] = torch.where(usable.squeeze(-1), (kept > 0).sum(-1), 0)
+        # A positive float32 row total is at least its largest entry: no overflow, no 0 / 0.
+        divisor = torch.where(usable, total, 1.0).to(p2.dtype)
+        normalized = torch.where(usable, kept.clamp_min(0) / divisor, kept)
+        support = torch.where(usable.squeeze(-1), torch.count_nonzero(kept > 0, -1), 0)
+        if every_row:
+            out, k_out = normalized, support
+        else:
+            out[keep_all], k_out[keep_all] = normalized, support
     if invalid.numel():
         out[invalid] = p2[invalid]
     _write(out, k_out, chunks, lambda log_q: torch.exp(log_q).to(p2.dtype))
