@@ -262,3 +262,30 @@ def test_argmax_tie_shares_the_deficit_at_minus_infinity():
     x = torch.tensor([0.3, 0.3, 0.1], dtype=F64)
     assert torch.allclose(renormalize(x, alpha=-math.inf),
                           torch.tensor([0.45, 0.45, 0.1], dtype=F64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_lambda_zero_keeps_the_whole_support(dtype):
+    """lambda = 0 (cost(k) decreasing in k): k* = every nonzero entry, renormalized; rows that are
+    not distributions come back unchanged with k = 0. Every row or only some rows at lambda = 0."""
+    g = torch.Generator().manual_seed(11)
+    p = torch.softmax(torch.randn(6, 50, generator=g, dtype=F64) * 2, -1)
+    p[1, 10:] = 0.0
+    p[2] *= 3.0  # not normalized: normalized by its sum
+    p[3, :] = 0.0  # no mass
+    p[4, 7] = math.nan
+    p[5, 0], p[5, 1:] = 1.0, 1e-44 if dtype == torch.float32 else 1e-320  # subnormal tail
+    p = p.to(dtype)
+    expected = p.double() / p.double().sum(-1, keepdim=True)
+    for lam in (0.0, torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.1], dtype=F64)):
+        out = bregman_decode(p, alpha=1.5, lam=lam)
+        assert out.probs.dtype == dtype
+        for row in (0, 1, 2):
+            assert out.k[row] == (p[row] > 0).sum()
+            assert (out.probs[row].double() - expected[row]).abs().max() < 1e-6
+        assert out.k[3] == 0 and out.k[4] == 0
+        assert torch.equal(out.probs[3], p[3])
+        assert torch.equal(out.probs[4].isnan(), p[4].isnan())
+        if isinstance(lam, float):
+            assert out.k[5] == (out.probs[5] > 0).sum() and out.k[5] >= 1
+        assert not out.probs[[0, 1, 2, 5]].isnan().any()
