@@ -49,6 +49,7 @@ INITIAL_CANDIDATES = 64
 #: Block length of the two-stage top-k used to find candidates without sorting the vocabulary.
 BLOCK = 64
 _GROWTH = 8
+_FULL_SORT_FRACTION = 4
 
 
 class BregmanOutput(NamedTuple):
@@ -185,6 +186,14 @@ class _Candidates(NamedTuple):
     complete: Tensor  # [n] bool: no positive entry outside the candidates
 
 
+def _take(cand: _Candidates, rows: Tensor) -> _Candidates:
+    """The candidates of ``rows`` (sorted row numbers); no copy when that is every row, which is
+    the common case and saves copying [n, W] float64 tensors at every probe of the search."""
+    if rows.numel() == cand.x.shape[0]:
+        return cand
+    return _Candidates(*(t[rows] for t in cand))
+
+
 def _top_candidates(p: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
     """Values and positions of the ``width`` largest entries per row, sorted, and the float64 sum
     of all other entries (formed from positive terms only)."""
@@ -304,7 +313,7 @@ def _search(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, low: Tenso
     if active.numel():
         lo, hi = low[active], high[active]
         count = int(min(WINDOW, int((hi - lo).max())))
-        sub = _Candidates(*(t[active] for t in cand))
+        sub = _take(cand, active)
         start = torch.minimum(lo, hi - count).clamp_min(1)  # keep the window inside [1, hi]
         exceeds, maps = _window_exceeds(mode, sub, start, count, alpha[active], lam[active],
                                         generator)
@@ -331,7 +340,7 @@ def _search(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, low: Tenso
         lo, hi = low[active], high[active]
         gal = galloping[active]
         m = torch.where(gal, torch.minimum(lo + step[active] - 1, hi - 1), (lo + hi) // 2)
-        sub = _Candidates(*(t[active] for t in cand))
+        sub = _take(cand, active)
         exceeds = _window_exceeds(mode, sub, m, 1, alpha[active], lam[active], generator)[0][:, 0]
         low[active] = torch.where(exceeds, m + 1, lo)
         high[active] = torch.where(exceeds, hi, m)
@@ -364,14 +373,15 @@ def _support_sizes(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, fix
         bounded = hi <= width  # the last size is a real boundary
         upper = torch.minimum(hi, torch.full_like(hi, width))
         lo = torch.minimum(low[adaptive], upper)
-        sub = _Candidates(*(t[adaptive] for t in cand))
+        sub = _take(cand, adaptive)
         a, lm = alpha[adaptive], lam[adaptive]
         found = torch.empty_like(lo)
         values = [math.nan] if generator is not None else torch.unique(a).tolist()
         for value in values:
             rows = (a == a if generator is not None else a == value).nonzero().squeeze(-1)
             if generator is None and has_closed_form(mode, value):
-                gaps = closed_form_gaps(mode, value, sub.x[rows], sub.deficit[rows])
+                grp = _take(sub, rows)
+                gaps = closed_form_gaps(mode, value, grp.x, grp.deficit)
                 # Column j is k = j + 1; the last column (k = width) always stops.
                 gaps = torch.nn.functional.pad(gaps, (0, 1), value=-math.inf)
                 sizes = torch.arange(1, width + 1, device=gaps.device)
@@ -380,7 +390,7 @@ def _support_sizes(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, fix
                 first = torch.where(stop, sizes, width).amin(-1)
                 found[rows] = torch.minimum(first, upper[rows])
             else:
-                grp = _Candidates(*(t[rows] for t in sub))
+                grp = _take(sub, rows)
                 found[rows], maps, have = _search(mode, grp, a[rows], lm[rows], lo[rows],
                                                   upper[rows], generator)
                 if maps.shape[-1] > cache.shape[-1]:
@@ -405,7 +415,7 @@ def _final_maps(plan: _Plan, cand: _Candidates, k: Tensor, alpha: Tensor, cache:
     todo = (~cached).nonzero().squeeze(-1)
     if todo.numel() == 0:
         return cache[:, : int(k.max())]
-    fresh = _renorm_at(plan.mode, _Candidates(*(t[todo] for t in cand)), k[todo], alpha[todo],
+    fresh = _renorm_at(plan.mode, _take(cand, todo), k[todo], alpha[todo],
                        plan.generator)
     if todo.numel() == k.shape[0]:
         return fresh
@@ -446,23 +456,28 @@ def _decode_rows(p: Tensor, plan: _Plan) -> tuple[list[tuple[Tensor, Tensor, Ten
             if bool(bad.any()):
                 invalid.append(now[bad])
                 good = (~bad).nonzero().squeeze(-1)
-                now, cand = now[good], _Candidates(*(t[good] for t in cand))
+                now, cand = now[good], _take(cand, good)
             k, done, cache, cached = _support_sizes(
                 plan.mode, cand, plan.alpha[now], plan.lam[now], plan.fixed_k[now],
                 plan.k_max[now], low[now], plan.generator)
             if width >= vocab:
                 done = torch.ones_like(done)
             fin = done.nonzero().squeeze(-1)
-            if fin.numel():
+            if fin.numel() == now.numel():  # every row certified: no copies of the candidates
+                log_q = _final_maps(plan, cand, k, plan.alpha[now], cache, cached)
+                chunks.append((now, cand.index[:, : log_q.shape[-1]], log_q, k))
+            elif fin.numel():
                 rows = now[fin]
-                sub = _Candidates(*(t[fin] for t in cand))
+                sub = _take(cand, fin)
                 log_q = _final_maps(plan, sub, k[fin], plan.alpha[rows], cache[fin], cached[fin])
                 chunks.append((rows, sub.index[:, : log_q.shape[-1]], log_q, k[fin]))
             again = (~done).nonzero().squeeze(-1)
             low[now[again]] = width  # G(k) > lambda for every k < width
             later = torch.cat([later, now[again]])
         pending = later
-        width = min(width * _GROWTH, vocab)
+        width *= _GROWTH
+        if width * _FULL_SORT_FRACTION >= vocab:  # a top-k that large costs about a full sort
+            width = vocab
     empty = torch.empty(0, dtype=torch.long, device=device)
     return chunks, torch.cat(invalid) if invalid else empty
 
