@@ -1,7 +1,7 @@
 """End to end: `bregman-eval run` and `plot` against a real server with the tiny model.
 
 The fixture starts our server (``python -m server.cli``, which runs vLLM as its child) on a
-loopback port, or vLLM's own OpenAI server when ``server`` is not importable, with
+loopback port with
 ``--logprobs-mode processed_logprobs`` (the engine then reports k* through its logprobs) and
 ``--dtype float32`` (so the offline transformers recomputation of k* sees the same numbers)
 and without chunked prefill (see ENGINE_ARGS).
@@ -11,27 +11,19 @@ sources; the tests check the files it writes. Every process started is stopped a
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from bregman_vllm.evaluation import cli
 
+from .test_server_support import ServerProcess, require_tiny_model, shut_down
+
 pytestmark = [pytest.mark.server, pytest.mark.timeout(480)]
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "models/tiny-llama"
 # No chunked prefill: vLLM 0.32 on CPU crashes when a seeded request's prompt is prefilled in
 # chunks ("CPU Generator does not use offset"), and the GSM8K prompts are long.
@@ -42,126 +34,28 @@ ENGINE_ARGS = ["--logprobs-mode", "processed_logprobs", "--max-logprobs", "64",
 CONFIGS = ["primal:1.5:0.01", "dual:2:0.01:T=0.8@gsm8k"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    found: set[int] = set()
-    stack = [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if child not in found:
-                found.add(child)
-                stack.append(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-class Server:
-    """One server process (and everything it starts) on a loopback port."""
-
-    def __init__(self, log: Path) -> None:
-        self.port = _free_port()
-        self.ours = importlib.util.find_spec("server.cli") is not None
-        if self.ours:
-            command = [sys.executable, "-m", "server.cli", "--model", MODEL, "--port",
-                       str(self.port), "--vllm-port", str(_free_port()), *ENGINE_ARGS]
-        else:
-            command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                       MODEL, "--host", "127.0.0.1", "--port", str(self.port), *ENGINE_ARGS]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("BREGMAN_")}
-        env.update(VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
-        env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-        self.log = log
-        with open(log, "wb") as handle:
-            self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=handle,
-                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True)
-        self.seen: set[int] = set()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            self.seen |= _descendants(self.process.pid)
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited:\n{self.log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    self.seen |= _descendants(self.process.pid)
-                    return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy after {timeout} s:\n"
-                                   f"{self.log.read_text()[-3000:]}")
-            time.sleep(0.5)
-
-    def stop(self) -> set[int]:
-        """SIGTERM (the server stops its vLLM child), then SIGKILL whatever is left; returns
-        the processes that outlived the SIGTERM."""
-        self.seen |= _descendants(self.process.pid)
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(60)
-        deadline = time.monotonic() + 15
-        while any(_alive(p) for p in self.seen) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = {p for p in self.seen if _alive(p)}
-        for pid in [*left, self.process.pid]:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        self.process.wait()
-        return left
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    if not (ROOT / MODEL / "config.json").exists():
-        pytest.fail(f"{MODEL} is missing: run `python scripts/prepare_models.py --only tiny`")
-    live = Server(tmp_path_factory.mktemp("eval-server") / "server.log")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    require_tiny_model()
+    live = ServerProcess(["--model", MODEL, *ENGINE_ARGS],
+                         tmp_path_factory.mktemp("eval-server") / "server.log")
     try:
-        live.wait_healthy(timeout=300)
+        live.start().wait_healthy(timeout=300)
         yield live
     finally:
-        left = live.stop()
-        assert not left, f"processes left behind: {sorted(left)}"
+        shut_down(live)
 
 
 @pytest.fixture(scope="module")
-def run_dir(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def run_dir(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("eval-run")
     argv = ["run", "--endpoint", server.url + "/v1", "--tasks", "open,gsm8k",
             *[arg for spec in CONFIGS for arg in ("--config", spec)],
             "--grid-k", "4", "--grid-alpha", "2",
             "--passages", "4", "--max-tokens", "24", "--limit", "3", "--gsm8k-max-tokens", "32",
             "--model-dir", MODEL, "--kstar", "both", "--concurrency", "8",
-            "--resamples", "200", "--no-progress", "--out", str(out)]
-    if server.ours:
-        argv.append("--ours")  # our server's native form: bregman_* at the top level
+            "--resamples", "200", "--no-progress", "--out", str(out),
+            "--ours"]  # our server's native form: bregman_* at the top level
     assert cli.main(argv) == 0
     return out
 
