@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import SecretStr
+from starlette.requests import Request
 
 from .errors import APIError
 
@@ -32,26 +33,49 @@ def key_matches(expected_digest: bytes, presented: str | None) -> bool:
     return secrets.compare_digest(_digest(presented), expected_digest)
 
 
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header (scheme case-insensitive)."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return token.strip() or None
+
+
+def make_key_check(api_key: SecretStr | None) -> Callable[[str | None], None] | None:
+    """A check of a request's Authorization header against ``api_key`` that raises a 401
+    `APIError`, or None when the server has no key."""
+    if api_key is None or not api_key.get_secret_value():
+        return None
+    expected = _digest(api_key.get_secret_value())
+
+    def check(authorization: str | None) -> None:
+        if not key_matches(expected, bearer_token(authorization)):
+            raise APIError(
+                401, "Invalid or missing API key: send the header 'Authorization: Bearer <key>'.",
+                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    return check
+
+
 def make_auth_dependency(
     api_key: SecretStr | None,
 ) -> Callable[..., Awaitable[None]]:
-    """A FastAPI dependency that enforces ``api_key`` (a no-op when it is None)."""
-    if api_key is None or not api_key.get_secret_value():
+    """A FastAPI dependency that enforces ``api_key`` (a no-op when it is None); it also puts
+    the Bearer scheme in the OpenAPI document."""
+    check = make_key_check(api_key)
+    if check is None:
 
         async def no_auth() -> None:
             return None
 
         return no_auth
 
-    expected = _digest(api_key.get_secret_value())
-
     async def require_api_key(
+        request: Request,
         credentials: HTTPAuthorizationCredentials | None = Depends(bearer_scheme),  # noqa: B008
     ) -> None:
-        token = credentials.credentials if credentials is not None else None
-        if not key_matches(expected, token):
-            raise APIError(
-                401, "Invalid or missing API key: send the header 'Authorization: Bearer <key>'.",
-                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        check(request.headers.get("authorization"))
 
     return require_api_key

@@ -313,6 +313,40 @@ def test_api_key_is_required_when_configured() -> None:
         assert_openai_error(response, 400, "bregman_top_k")
 
 
+def test_api_key_on_the_generation_routes_and_on_the_fastapi_routes_agree() -> None:
+    """The generation routes bypass FastAPI's dependencies (GenerationFastPath): the same key
+    check must hold there and on the routes FastAPI serves, chat included."""
+    with make_client(api_key="s3cret") as client:
+        for method, path in (("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+                             ("GET", "/v1/models")):
+            for headers, status in (({"authorization": "bearer s3cret"}, None),
+                                    ({"authorization": "Bearer s3cret2"}, 401),
+                                    ({"authorization": "Bearer"}, 401)):
+                response = client.request(method, path, json={"prompt": "x"}, headers=headers)
+                if status is None:  # past auth: no upstream behind this app, so 503
+                    assert response.status_code == 503, (method, path, response.text)
+                else:
+                    assert_openai_error(response, status)
+
+
+def test_unexpected_error_on_a_generation_route_is_an_openai_500(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: a monkeypatched `apply_bregman` raises, since no request can make our
+    own handler fail. The answer is OpenAI's shape with no detail, and the server goes on."""
+    import server.app as app_module
+
+    def broken(body: dict[str, Any], defaults: Any) -> Any:
+        raise RuntimeError("internal detail")
+
+    monkeypatch.setattr(app_module, "apply_bregman", broken)
+    with make_client() as client:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            response = client.post(path, json={"prompt": "x"})
+            assert assert_openai_error(response, 500)["type"] == "server_error"
+            assert "internal detail" not in response.text
+        assert client.get("/health").status_code == 503  # still answering
+
+
 def test_no_healthy_upstream_is_an_openai_503_and_health_says_so() -> None:
     with make_client() as client:
         response = client.post("/v1/completions", json={"prompt": "x", "bregman_alpha": 2})
