@@ -189,51 +189,35 @@ def test_refused_connection_is_a_connect_error() -> None:
     asyncio.run(main())
 
 
-def test_silent_upstream_is_a_timeout_for_the_head_and_for_the_body() -> None:
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+def answers(data: bytes, then_wait: float) -> Handler:
+    """A server that reads one request, writes ``data``, waits, and closes the connection."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        await asyncio.sleep(3)
+        if data:
+            writer.write(data)
+            await writer.drain()
+        await asyncio.sleep(then_wait)
         writer.close()
 
-    async def stalls_mid_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhalf")
-        await writer.drain()
-        await asyncio.sleep(3)
-        writer.close()
+    return handler
 
+
+@pytest.mark.parametrize(("handler", "error", "message"), [
+    (answers(b"", 1.0), UpstreamTimeout, r"no response .* within 0\.2 s"),
+    (answers(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhalf", 1.0), UpstreamTimeout,
+     r"no data .* within 0\.2 s"),
+    (answers(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly part", 0.0),
+     UpstreamProtocolError, "before the end"),
+    (answers(b"HTTP/1.1 2OO NOT OK\r\n\r\n", 1.0), UpstreamProtocolError, "invalid HTTP"),
+], ids=["silent", "stalls-mid-body", "dropped-mid-body", "invalid-http"])
+def test_upstream_failures_are_the_errors_the_proxy_handles(
+        handler: Handler, error: type[Exception], message: str) -> None:
     async def main() -> None:
-        for handler in (silent, stalls_mid_body):
-            server, origin = await serve(handler)
-            async with server:
-                with pytest.raises(UpstreamTimeout, match=r"within 0\.2 s"):
-                    await get(ConnectionPool(), origin, read_timeout=0.2)
-                server.close()
-
-    asyncio.run(main())
-
-
-def test_connection_dropped_mid_body_and_invalid_http_are_protocol_errors() -> None:
-    async def dropped(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly part")
-        await writer.drain()
-        writer.close()
-
-    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 2OO NOT OK\r\n\r\n")
-        await writer.drain()
-        await asyncio.sleep(1)
-        writer.close()
-
-    async def main() -> None:
-        for handler, message in ((dropped, "before the end"), (garbage, "invalid HTTP")):
-            server, origin = await serve(handler)
-            async with server:
-                with pytest.raises(UpstreamProtocolError, match=message):
-                    await get(ConnectionPool(), origin)
-                server.close()
+        server, origin = await serve(handler)
+        async with server:
+            with pytest.raises(error, match=message):
+                await get(ConnectionPool(), origin, read_timeout=0.2)
+            server.close()
 
     asyncio.run(main())
 
