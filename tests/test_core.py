@@ -289,3 +289,23 @@ def test_lambda_zero_keeps_the_whole_support(dtype):
         if isinstance(lam, float):
             assert out.k[5] == (out.probs[5] > 0).sum() and out.k[5] >= 1
         assert not out.probs[[0, 1, 2, 5]].isnan().any()
+
+
+@pytest.mark.parametrize("mode", ["primal", "dual"])
+def test_mixed_rows_in_one_batch_decode_as_each_row_alone(mode: str) -> None:
+    """One batch holding lambda = 0 rows (whole support), a fixed top-k row and adaptive rows of
+    several alphas: the plan's row groups and distinct alphas (derived once per plan) must give
+    every row exactly what it gets alone."""
+    generator = torch.Generator().manual_seed(3)
+    p = torch.softmax(2 * torch.randn(6, 60, generator=generator, dtype=torch.float64), -1)
+    alpha = [1.5, 1.5, 2.0, 3.0, 1.5, 2.0]
+    lam = [0.0, 0.01, 0.0, 0.001, 0.05, 0.01]
+    top_k = [0, 0, 5, 0, 0, 0]
+    out = bregman_decode(p, alpha=torch.tensor(alpha), lam=torch.tensor(lam), mode=mode,
+                         top_k=torch.tensor(top_k))
+    for row in range(6):
+        alone = bregman_decode(p[row], alpha=alpha[row], lam=lam[row], mode=mode,
+                               top_k=top_k[row] or None)
+        assert int(out.k[row]) == int(alone.k)
+        torch.testing.assert_close(out.probs[row], alone.probs, rtol=0, atol=1e-12)
+    assert int(out.k[0]) == 60  # lambda = 0: the whole support

@@ -138,6 +138,11 @@ class _Plan(NamedTuple):
     fixed_k: Tensor  # [N] int64, 0 = adaptive
     k_max: Tensor  # [N] int64, 0 = no cap
     generator: BregmanGenerator | None = None
+    # Derived once per plan (in vLLM: once per batch change), not at every decoding step.
+    keep_rows: Tensor | None = None  # lambda = 0 and no fixed k: every nonzero entry is kept
+    decode_rows: Tensor | None = None  # the other rows
+    alpha_values: tuple[float, ...] = ()  # distinct alphas of decode_rows (none: generator)
+    decoded: _Plan | None = None  # the plan of decode_rows alone, when they are not all rows
 
 
 def _plan(batch_shape, device, alpha, lam, mode, k_max, top_k, generator=None) -> _Plan:
@@ -171,7 +176,22 @@ def _assemble(mode: str, alpha: Tensor, lam: Tensor, top: Tensor, cap: Tensor,
     # lambda = 0 keeps every nonzero entry: the adaptive problem becomes fixed k = k_max.
     zero_lam = (top == 0) & (lam == 0)
     fixed = torch.where(zero_lam, cap, fixed)
-    return _Plan(mode, alpha, lam, fixed, cap, generator)
+    return _derive(_Plan(mode, alpha, lam, fixed, cap, generator))
+
+
+def _derive(plan: _Plan) -> _Plan:
+    """``plan`` with its derived fields filled in."""
+    keep_all = (plan.fixed_k == 0) & (plan.lam == 0)
+    keep_rows = keep_all.nonzero().squeeze(-1)
+    decode_rows = (~keep_all).nonzero().squeeze(-1)
+    values = () if plan.generator is not None else \
+        tuple(torch.unique(plan.alpha[decode_rows]).tolist())
+    plan = plan._replace(keep_rows=keep_rows, decode_rows=decode_rows, alpha_values=values)
+    if 0 < decode_rows.numel() < keep_all.shape[0]:
+        plan = plan._replace(decoded=_derive(_Plan(
+            plan.mode, *(t[decode_rows] for t in (plan.alpha, plan.lam, plan.fixed_k,
+                                                  plan.k_max)), plan.generator)))
+    return plan
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -350,11 +370,12 @@ def _search(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, low: Tenso
 
 def _support_sizes(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, fixed: Tensor,
                    cap: Tensor, low: Tensor, generator: BregmanGenerator | None = None,
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                   alpha_values: tuple[float, ...] = ()) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Support size per row, whether it is certified with these candidates, and log T_k for the
     rows whose map the search already computed (with a mask of those rows).
 
-    ``low`` is a known lower bound on k* (from earlier rounds).
+    ``low`` is a known lower bound on k* (from earlier rounds); ``alpha_values`` the distinct
+    alphas of the plan, a superset of those of these rows.
     """
     width = cand.x.shape[-1]
     n_known = torch.where(cand.complete, cand.positive, torch.full_like(cand.positive, 10**18))
@@ -376,9 +397,13 @@ def _support_sizes(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, fix
         sub = _take(cand, adaptive)
         a, lm = alpha[adaptive], lam[adaptive]
         found = torch.empty_like(lo)
-        values = [math.nan] if generator is not None else torch.unique(a).tolist()
-        for value in values:
-            rows = (a == a if generator is not None else a == value).nonzero().squeeze(-1)
+        if generator is not None or len(alpha_values) == 1:  # one divergence for every row
+            every = torch.arange(a.shape[0], device=a.device)
+            groups = [(alpha_values[0] if generator is None else math.nan, every)]
+        else:
+            groups = [(value, (a == value).nonzero().squeeze(-1))
+                      for value in torch.unique(a).tolist()]
+        for value, rows in groups:
             if generator is None and has_closed_form(mode, value):
                 grp = _take(sub, rows)
                 gaps = closed_form_gaps(mode, value, grp.x, grp.deficit)
@@ -459,7 +484,7 @@ def _decode_rows(p: Tensor, plan: _Plan) -> tuple[list[tuple[Tensor, Tensor, Ten
                 now, cand = now[good], _take(cand, good)
             k, done, cache, cached = _support_sizes(
                 plan.mode, cand, plan.alpha[now], plan.lam[now], plan.fixed_k[now],
-                plan.k_max[now], low[now], plan.generator)
+                plan.k_max[now], low[now], plan.generator, plan.alpha_values)
             if width >= vocab:
                 done = torch.ones_like(done)
             fin = done.nonzero().squeeze(-1)
@@ -489,18 +514,18 @@ def _flatten(t: Tensor) -> Tensor:
 def _decode(p2: Tensor, plan: _Plan) -> tuple[Tensor, Tensor, list]:
     """Decode [N, V]. Returns (rows kept whole: lambda = 0 without cap, so k* = every nonzero
     entry; rows left alone: not distributions; chunks of decoded rows)."""
-    keep_all = (plan.fixed_k == 0) & (plan.lam == 0)
-    decode_rows = (~keep_all).nonzero().squeeze(-1)
+    decode_rows = plan.decode_rows
+    assert decode_rows is not None and plan.keep_rows is not None
     chunks: list = []
     invalid = decode_rows[:0]
-    if decode_rows.numel() == p2.shape[0]:
-        chunks, invalid = _decode_rows(p2, plan)
-    elif decode_rows.numel():
-        sub_plan = _Plan(plan.mode, *(t[decode_rows] for t in plan[1:5]), plan.generator)
-        sub_chunks, sub_invalid = _decode_rows(p2[decode_rows], sub_plan)
+    if plan.decoded is None:
+        if decode_rows.numel():
+            chunks, invalid = _decode_rows(p2, plan)
+    else:
+        sub_chunks, sub_invalid = _decode_rows(p2[decode_rows], plan.decoded)
         chunks = [(decode_rows[r], i, q, k) for r, i, q, k in sub_chunks]
         invalid = decode_rows[sub_invalid]
-    return keep_all.nonzero().squeeze(-1), invalid, chunks
+    return plan.keep_rows, invalid, chunks
 
 
 def _write(out: Tensor, k_out: Tensor, chunks, to_values) -> None:
