@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bregman_vllm import bregman_decode, renormalize
-from bregman_vllm.core.dual import CLOSED_INNER, dual_log_renorm, nested_log_renorm
+from bregman_vllm.core.dual import dual_log_renorm, nested_log_renorm
 from bregman_vllm.core.primal import (
     newton_log_renorm,
     primal_log_renorm,
@@ -173,7 +173,7 @@ def test_dual_map_kkt_residuals(alpha):
     assert (torch.where(mask, q - p * (1 - 4e-15), 0.0) >= 0).all()  # q_i >= p_i (rounding)
 
 
-@pytest.mark.parametrize("alpha", CLOSED_INNER)
+@pytest.mark.parametrize("alpha", [1.5, 3.0])
 def test_dual_closed_inner_solve_equals_nested_newton(alpha):
     """alpha in {3/2, 3}: the quadratic inner formula and the general inner Newton agree, zero
     entries in the support included."""

@@ -23,7 +23,7 @@ from bregman_vllm import (
     bregman_decode_logits,
     renormalize,
 )
-from bregman_vllm.core import decode as decode_module
+from bregman_vllm.core.candidates import top_entries
 
 F64 = torch.float64
 SETTINGS = settings(max_examples=60, deadline=None,
@@ -164,7 +164,7 @@ def test_block_candidates_equal_a_full_sort():
     g = torch.Generator().manual_seed(10)
     for vocab in (1000, 4096, 4097, 50257):
         p = torch.softmax(torch.randn(3, vocab, generator=g) * 4, -1)
-        values, index, rest = decode_module._top_candidates(p, 16)
+        values, index, rest = top_entries(p, 16)
         top = torch.topk(p, 16)
         assert torch.equal(values, top.values)
         assert torch.equal(torch.gather(p, 1, index), values)

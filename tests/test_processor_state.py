@@ -18,7 +18,7 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
 from bregman_vllm import BregmanParamError, bregman_decode_logits
-from bregman_vllm.adapter import BregmanLogitsProcessor
+from bregman_vllm.adapter import BregmanLogitsProcessor, telemetry
 from bregman_vllm.adapter import processor as processor_module
 
 VOCAB = 300
@@ -156,12 +156,15 @@ def test_apply_never_raises(monkeypatch, caplog):
         raise RuntimeError("simulated bug in the decoder")
 
     # Simulate a bug inside the math core: the step must go on with the logits unchanged.
-    monkeypatch.setattr(processor_module, "decode_logits_rows", broken)
+    monkeypatch.setattr(processor_module, "decode_step", broken)
+    monkeypatch.setattr(telemetry, "_last_warning", -math.inf)
+    before = telemetry.failures_total()
     logits = torch.randn(2, VOCAB)
-    with caplog.at_level(logging.ERROR):
+    with caplog.at_level(logging.WARNING):
         out = proc.apply(logits.clone())
     assert torch.equal(out, logits)
-    assert "logits left unchanged" in caplog.text
+    assert telemetry.failures_total() == before + 2
+    assert "left unchanged" in caplog.text
 
 
 def test_second_instance_for_the_same_engine_is_inactive():

@@ -1,36 +1,46 @@
-"""vLLM V1 logits processor: per-request Bregman decoding inside the engine.
+"""vLLM logits processor: per-request Bregman decoding inside the engine.
 
 A thin adapter over `bregman_vllm.core`. Per request, ``SamplingParams.extra_args`` (which vLLM's
 OpenAI server fills from ``vllm_xargs``) may hold ``bregman_mode`` ("primal" | "dual" | "off"),
 ``bregman_alpha``, ``bregman_lambda``, ``bregman_top_k`` and ``bregman_k_max``; missing values take
 the defaults of `bregman_vllm.params`. A request without any ``bregman_*`` key is untouched.
 
-Where it runs in vLLM's sampler (vllm/v1/sample/sampler.py), for each decode step:
+Two interfaces, one class (vLLM 0.32 loads processors from the same entry point for both):
 
-1. raw logprobs are taken (returned to the user unless ``logprobs_mode=processed_logprobs``);
-2. non-argmax-invariant processors (min_tokens, logit_bias), penalties;
-3. greedy rows take their argmax here; the rest are divided by their temperature;
-4. argmax-invariant processors - this one, after vLLM's min_p - see the temperature-scaled logits:
-   it computes p = softmax(logits / T), q = Bregman(p) and writes log q (-inf off the support);
-5. the request's own top_k / top_p then apply to q, and the token is sampled.
+* **V1 model runner** (`vllm/v1/sample/sampler.py`; the CPU runner, and GPUs with
+  ``VLLM_USE_V2_MODEL_RUNNER=0``), each decode step:
 
-Bregman decoding keeps the most likely tokens (greedy property) and renormalizes monotonically,
-so the argmax is unchanged: the processor is argmax-invariant and greedy requests are unaffected.
-vLLM refuses custom logits processors with speculative decoding and pooling models.
+  1. raw logprobs are taken (returned unless ``logprobs_mode=processed_logprobs``);
+  2. non-argmax-invariant processors (min_tokens, logit_bias), penalties;
+  3. greedy rows take their argmax; the rest are divided by their temperature;
+  4. argmax-invariant processors - vLLM's min_p, then this one - see the temperature-scaled
+     logits: p = softmax(logits / T), q = Bregman(p), log q written (-inf off the support);
+  5. the request's own top_k / top_p act on q, and the token is sampled.
 
-State: the batch's Bregman rows and their parameters live in device tensors rebuilt only when a
-`BatchUpdate` changes the batch (removed, then added, then moved: unidirectional or swap).
-`apply()` runs one vectorized decode per mode over all Bregman rows, whatever their alpha/lambda.
+* **Model Runner V2** (`vllm/v1/worker/gpu/sample/sampler.py`; vLLM 0.32's default on CUDA):
+  custom processors run after bias, penalties, bad words and grammar but *before* temperature,
+  min_p and top-k/top-p. The processor divides each row by its request's temperature itself and
+  writes T log q, so that the runner's own division by T yields log q: the distribution sampled
+  from is the same as under V1, except that min_p then acts on q (under V1 it acts on p, before
+  Bregman decoding).
 
-vLLM's Model Runner V2 (the default on GPUs with Triton in vLLM 0.32) loads processors from the
-same entry point but through a different interface, and rejects V1-only classes at start-up, so
-this class implements both. Under V2, ``apply()`` runs before temperature: the processor divides
-by each request's temperature itself and writes T log q, which the runner's own division by T
-turns into log q, keeping the V1 semantics above.
+State. The rows to decode and their parameters are a `plan` (`bregman_vllm.core.plan`), built
+on the host only when the batch changes: under V1 when a `BatchUpdate` adds, removes or moves a
+Bregman request; under V2 when ``add_request`` ran or the step's row order (the host-side
+``idx_mapping_np``) differs from the last one. Positions and per-row values reach the device by
+pinned, non-blocking copies. In steady state `apply()` only runs the core's step.
 
-Robustness: request values are validated at admission (`validate_params`, HTTP 400 with the
-parameter model's message). `apply()` never raises: an exception inside a logits processor kills
-every request on the server, so a failure is logged and the step's logits are left unchanged.
+Robustness. Request values are validated at admission (`validate_params`, HTTP 400 with the
+parameter model's message); supports larger than the vocabulary are clamped to it. `apply()`
+never raises: an exception inside a logits processor would fail every request on the engine.
+If the step fails, the processor decodes each group, then each row, on its own, so only the rows
+that fail keep their logits; those rows are counted (`telemetry`: the Prometheus counter
+``bregman_processor_failures_total`` and a rate-limited warning with the running count).
+
+Memory. On CUDA the processor reserves the step's worst-case extra memory
+(`core.step.step_memory_bound` for ``max_num_seqs`` rows) when it is built, which is before vLLM
+profiles memory, so the profiler sees it and sizes the KV cache around it; the reservation is
+released at the first `apply()`, into PyTorch's cache, where the step's temporaries find it.
 """
 
 from __future__ import annotations
@@ -52,13 +62,18 @@ try:  # vLLM >= 0.32: Model Runner V2 has its own processor interface
 except ImportError:  # pragma: no cover - older vLLM
     RunnerV2LogitsProcessor = ABC
 
-from ..core.decode import decode_logits_rows, plan_rows
+from ..core.plan import Plan, plan_requests
+from ..core.step import decode_step, step_memory_bound
 from ..params import BregmanParamError, BregmanParams
+from . import telemetry
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.config import VllmConfig
-    from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext
+    from vllm.v1.worker.gpu.sample.logits_processor.interface import (
+        LogitsContext,
+        LogitsProcRequestState,
+    )
 
 # Temperatures below this are greedy in vLLM's samplers (_SAMPLING_EPS).
 _GREEDY_TEMPERATURE = 1e-5
@@ -93,48 +108,14 @@ def _claim(vllm_config: object) -> bool:
     return True
 
 
-class _ModeGroup:
-    """The rows of one decoding mode and their per-row parameters, on the device."""
-
-    def __init__(self, mode: str, rows: list[int], params: list[BregmanParams],
-                 device: torch.device) -> None:
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        self.mode = mode
-        self.count = len(rows)
-        self.rows = tensor(rows, torch.long)
-        self.contiguous_prefix = rows == list(range(len(rows)))
-        self.plan = plan_rows(
-            mode,
-            alpha=tensor([p.alpha for p in params], torch.float64),
-            lam=tensor([p.lam for p in params], torch.float64),
-            top_k=tensor([p.top_k or 0 for p in params], torch.long),
-            k_max=tensor([p.k_max or 0 for p in params], torch.long),
-        )
-
-
-class _SlotTable:
-    """V2: per-slot parameters on the device, indexed by request slot (0 = not Bregman)."""
-
-    def __init__(self, requests: dict[int, BregmanParams], temperatures: dict[int, float],
-                 device: torch.device) -> None:
-        size = max(requests, default=-1) + 1
-        codes = {"primal": 1, "dual": 2}
-        mode = [0] * size
-        alpha, lam, top, cap, temp = [1.0] * size, [0.0] * size, [0] * size, [0] * size, \
-            [1.0] * size
-        for slot, params in requests.items():
-            mode[slot] = codes[params.mode]
-            alpha[slot], lam[slot] = params.alpha, params.lam
-            top[slot], cap[slot] = params.top_k or 0, params.k_max or 0
-            temp[slot] = temperatures[slot]
-        self.mode = torch.tensor(mode or [0], dtype=torch.long, device=device)
-        self.alpha = torch.tensor(alpha or [1.0], dtype=torch.float64, device=device)
-        self.lam = torch.tensor(lam or [0.0], dtype=torch.float64, device=device)
-        self.top_k = torch.tensor(top or [0], dtype=torch.long, device=device)
-        self.k_max = torch.tensor(cap or [0], dtype=torch.long, device=device)
-        self.temperature = torch.tensor(temp or [1.0], dtype=torch.float32, device=device)
+def _engine_limits(vllm_config: Any) -> tuple[int | None, int | None]:
+    """(vocabulary size, max_num_seqs) from a VllmConfig, when it has them."""
+    vocab = rows = None
+    with contextlib.suppress(Exception):
+        vocab = int(vllm_config.model_config.get_vocab_size())
+    with contextlib.suppress(Exception):
+        rows = int(vllm_config.scheduler_config.max_num_seqs)
+    return vocab, rows
 
 
 class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
@@ -153,20 +134,34 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
 
     def __init__(self, vllm_config: VllmConfig, *args: Any) -> None:
         # V1 runner: (vllm_config, device, is_pin_memory); V2 runner: (vllm_config, req_states).
+        vocab, max_rows = _engine_limits(vllm_config)
         if len(args) == 1:
-            self.device = torch.device(args[0].device)
+            req_states: LogitsProcRequestState = args[0]
+            self.device = torch.device(req_states.device)
             self.runner_v2 = True
+            vocab = getattr(req_states, "vocab_size", None) or vocab
+            max_rows = getattr(req_states, "max_num_reqs", None) or max_rows
         else:
             self.device = torch.device(args[0])
             self.runner_v2 = False
+        self.interface = "v2" if self.runner_v2 else "v1"
+        self.vocab = vocab
         self.enabled = _claim(vllm_config)
         self.requests: dict[int, BregmanParams] = {}  # batch row (V1) or request slot (V2)
         self.temperatures: dict[int, float] = {}  # V2: per slot
-        self.batch_size = 0
-        self.groups: list[_ModeGroup] = []
-        self.slots: _SlotTable | None = None
-        self._stale = False
-        self._failures = 0
+        self.plan: Plan | None = None
+        self._stale = True
+        self._layout: tuple[int, ...] | None = None  # V2: the row -> slot order of `plan`
+        self._rows: torch.Tensor | None = None  # V2: positions of the decoded rows
+        self._temperature: torch.Tensor | None = None  # V2: their temperatures, [n, 1]
+        self._reserve = self._reserve_memory(max_rows, vocab) if self.enabled else None
+
+    def _reserve_memory(self, rows: int | None, vocab: int | None) -> torch.Tensor | None:
+        """Hold the step's worst case until the first apply() (see the module docstring)."""
+        if self.device.type == "cpu" or not rows or not vocab:
+            return None
+        size = step_memory_bound(rows, vocab)
+        return torch.empty(size, dtype=torch.uint8, device=self.device)
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
@@ -174,23 +169,20 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         request_params(sampling_params.extra_args)
 
     def is_argmax_invariant(self) -> bool:
-        """Greedy selection and monotone renormalization keep the argmax (Theorem
-        greedy_optimal), so vLLM may skip this processor for greedy requests."""
+        """Greedy selection and monotone renormalization keep the argmax (Theorem 3.1), so vLLM
+        may skip this processor for greedy requests."""
         return True
+
+    # ------------------------------------------------------------------ V1
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None or not self.enabled:
             return
-        self.batch_size = batch_update.batch_size
         changed = False
         for index in batch_update.removed:
             changed |= self.requests.pop(index, None) is not None
         for index, params, _prompt, _output in batch_update.added:
-            try:
-                wanted = request_params(params.extra_args if params is not None else None)
-            except BregmanParamError as error:  # validate_params ran already; be defensive
-                logger.warning("ignoring invalid Bregman parameters: %s", error)
-                wanted = None
+            wanted = self._wanted(params.extra_args if params is not None else None)
             if wanted is not None:
                 self.requests[index] = wanted
                 changed = True
@@ -204,54 +196,29 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
             if b is not None and direction == MoveDirectionality.SWAP:
                 self.requests[first] = b
             changed |= a is not None or b is not None
-        if changed:
-            self._stale = True
-
-    def _rebuild(self) -> None:
-        groups = []
-        for mode in ("primal", "dual"):
-            rows = sorted(i for i, p in self.requests.items() if p.mode == mode)
-            if rows:
-                groups.append(_ModeGroup(mode, rows, [self.requests[i] for i in rows],
-                                         self.device))
-        self.groups = groups
-        self._stale = False
+        self._stale |= changed
 
     def apply(self, logits: torch.Tensor, ctx: LogitsContext | None = None) -> torch.Tensor:
-        if not self.requests or not self.enabled:
+        if not self.enabled or not self.requests:
             return logits
-        try:
-            if ctx is None:
-                return self._apply_rows(logits)
-            return self._apply_slots(logits, ctx)
-        except Exception:  # never let one request take the engine down
-            self._failures += 1
-            if self._failures <= 3:
-                logger.exception("Bregman decoding failed; logits left unchanged this step")
-            return logits
+        self._reserve = None  # the first step releases the start-up reservation
+        if ctx is None:
+            return self._apply_rows(logits)
+        return self._apply_slots(logits, ctx)
 
     def _apply_rows(self, logits: torch.Tensor) -> torch.Tensor:
         """V1: rows are batch positions, kept in order by `update_state`."""
-        if self._stale:
-            self._rebuild()
-        for group in self.groups:
-            if group.contiguous_prefix and group.count == logits.shape[0]:
-                logits, _ = decode_logits_rows(logits, group.plan)
-            else:
-                decoded, _ = decode_logits_rows(logits[group.rows], group.plan)
-                logits[group.rows] = decoded
-        return logits
+        if self._stale or self.plan is None or self.plan.batch != logits.shape[0]:
+            self.plan = self._make_plan(sorted(self.requests.items()), logits.shape[0],
+                                        logits.shape[-1])
+            self._stale = False
+        return self._decode(logits, self.plan)
 
     # ------------------------------------------------------------------ Model Runner V2
 
     def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
         """V2: (re)initialize a request slot; True when this request is Bregman-decoded."""
-        wanted = None
-        if self.enabled:
-            try:
-                wanted = request_params(sampling_params.extra_args)
-            except BregmanParamError as error:  # validate_params ran already; be defensive
-                logger.warning("ignoring invalid Bregman parameters: %s", error)
+        wanted = self._wanted(sampling_params.extra_args) if self.enabled else None
         # Greedy requests are unaffected by an argmax-invariant processor: skip them.
         if wanted is not None and sampling_params.temperature >= _GREEDY_TEMPERATURE:
             self.requests[req_idx] = wanted
@@ -264,25 +231,107 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         return False
 
     def apply_staged_writes(self) -> None:
-        """V2 hook; the slot table is rebuilt lazily on the next `apply()`."""
+        """V2 hook; the plan is rebuilt on the host at the next `apply()` when needed."""
 
     def _apply_slots(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-        """V2: rows are reordered every step; ctx maps each row to its request slot."""
-        if self._stale or self.slots is None:
-            self.slots = _SlotTable(self.requests, self.temperatures, self.device)
-            self._stale = False
-        table = self.slots
-        row_slots = ctx.expanded_idx_mapping.to(torch.long)
-        row_mode = table.mode[row_slots.clamp_max(table.mode.shape[0] - 1)]
-        row_mode = torch.where(row_slots < table.mode.shape[0], row_mode, 0)
-        for code, mode in enumerate(("primal", "dual"), start=1):
-            rows = (row_mode == code).nonzero().squeeze(-1)
-            if rows.numel() == 0:
-                continue
-            slots = row_slots[rows]
-            plan = plan_rows(mode, table.alpha[slots], table.lam[slots], table.top_k[slots],
-                             table.k_max[slots], validate=False)
-            temperature = table.temperature[slots].unsqueeze(-1)
-            decoded, _ = decode_logits_rows(logits[rows] / temperature, plan)
-            logits[rows] = decoded * temperature  # the runner divides by T next
+        """V2: rows are reordered between steps; the host-side mapping says which is which."""
+        layout = self._row_slots(logits, ctx)
+        if self._stale or layout != self._layout:
+            self._plan_slots(layout, logits)
+        if self.plan is None or self._rows is None:
+            return logits
+        assert self._temperature is not None
+        # Bregman-decode p = softmax(logits / T), then undo the runner's division by T.
+        rows = logits.index_select(0, self._rows).div_(self._temperature)
+        rows = self._decode(rows, self.plan).mul_(self._temperature)
+        return logits.index_copy_(0, self._rows, rows)
+
+    def _row_slots(self, logits: torch.Tensor, ctx: LogitsContext) -> tuple[int, ...]:
+        mapping = ctx.idx_mapping_np
+        if mapping is not None and len(mapping) == logits.shape[0]:
+            return tuple(int(slot) for slot in mapping)
+        # Several rows per request (speculative decoding): only the device mapping tells.
+        return tuple(int(slot) for slot in ctx.expanded_idx_mapping.tolist())
+
+    def _plan_slots(self, layout: tuple[int, ...], logits: torch.Tensor) -> None:
+        positions = [i for i, slot in enumerate(layout) if slot in self.requests]
+        self._layout, self._stale = layout, False
+        if not positions:
+            self.plan, self._rows, self._temperature = None, None, None
+            return
+        self.plan = self._make_plan([(j, self.requests[layout[i]])
+                                     for j, i in enumerate(positions)],
+                                    len(positions), logits.shape[-1])
+        host_rows = torch.tensor(positions, dtype=torch.long)
+        temperatures = torch.tensor([self.temperatures[layout[i]] for i in positions],
+                                    dtype=logits.dtype).unsqueeze(-1)
+        if self.device.type == "cuda":
+            host_rows, temperatures = host_rows.pin_memory(), temperatures.pin_memory()
+        self._rows = host_rows.to(self.device, non_blocking=True)
+        self._temperature = temperatures.to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------------------ shared
+
+    def _wanted(self, extra_args: Mapping[str, Any] | None) -> BregmanParams | None:
+        try:
+            return request_params(extra_args)
+        except BregmanParamError as error:  # validate_params ran already; be defensive
+            logger.warning("ignoring invalid Bregman parameters: %s", error)
+            return None
+
+    def _make_plan(self, requests: list[tuple[int, BregmanParams]], batch: int,
+                   vocab: int) -> Plan | None:
+        """The plan of these rows; a row whose parameters cannot be planned is left out (and
+        counted) rather than taking the other rows down with it."""
+        try:
+            return plan_requests(requests, batch=batch, vocab=vocab, device=self.device)
+        except Exception:
+            good = []
+            for row in requests:
+                try:
+                    plan_requests([row], batch=batch, vocab=vocab, device=self.device)
+                except Exception as error:
+                    telemetry.record_failure(1, self.interface, error)
+                else:
+                    good.append(row)
+            return plan_requests(good, batch=batch, vocab=vocab, device=self.device) \
+                if good else None
+
+    def _decode(self, logits: torch.Tensor, plan: Plan | None) -> torch.Tensor:
+        """The core's step on ``logits`` (in place); on an exception, group by group, then row
+        by row, so that only the rows that fail keep their logits."""
+        if plan is None:
+            return logits
+        try:
+            return decode_step(logits, plan, logits=True, inplace=True)[0]
+        except Exception as error:
+            if len(plan.groups) == 1 and plan.groups[0].count == 1:
+                telemetry.record_failure(1, self.interface, error)
+                return logits
+        for group in plan.groups:
+            single = Plan((group,), plan.batch, plan.vocab)
+            try:
+                decode_step(logits, single, logits=True, inplace=True)
+            except Exception:
+                self._decode_rows_alone(logits, group, plan)
         return logits
+
+    def _decode_rows_alone(self, logits: torch.Tensor, group: Any, plan: Plan) -> None:
+        positions = group.rows_or_all(logits.device).tolist()
+        requests = dict(self._row_requests(plan))
+        for position in positions:
+            params = requests.get(position)
+            try:
+                single = plan_requests([(position, params)], batch=plan.batch,
+                                       vocab=plan.vocab, device=self.device)
+                decode_step(logits, single, logits=True, inplace=True)
+            except Exception as error:
+                telemetry.record_failure(1, self.interface, error)
+
+    def _row_requests(self, plan: Plan) -> list[tuple[int, BregmanParams]]:
+        """(position in the decoded batch, params) of the rows of ``plan``."""
+        if not self.runner_v2:
+            return sorted(self.requests.items())
+        assert self._layout is not None
+        positions = [i for i, slot in enumerate(self._layout) if slot in self.requests]
+        return [(j, self.requests[self._layout[i]]) for j, i in enumerate(positions)]

@@ -27,16 +27,16 @@ import math
 
 import torch
 
+from .families import Family, dual_family_masks
 from .numerics import log1mexp, logsumexp_masked
 from .primal import (
-    MAX_ITERATIONS,
     _normalized,
-    converged,
     kl_log_renorm,
     square_log_renorm,
     support_mask,
     water_filling_log_renorm,
 )
+from .roots import safeguarded_newton
 
 Tensor = torch.Tensor
 
@@ -67,28 +67,17 @@ def _inner_solve(beta: Tensor, target: Tensor, z: Tensor, low: Tensor, high: Ten
     y_hi = max(1, (target - log(1 - 1/e)) / beta) (H(y) >= beta y + log(1 - 1/e) for y >= 1).
     """
     z = torch.where((z > low) & (z < high), z, 0.5 * (low + high))
-    previous = torch.full_like(z, math.inf)
-    for _ in range(MAX_ITERATIONS):
+
+    def equation(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         value, slope, y = _inner_terms(beta, z)
-        value = value - target
-        step = value / slope
-        # Rounding in value scales with the size of its terms.
-        done = converged(value, previous, step, z, 4e-16 * (1.0 + target.abs() + beta * y))
-        previous = value
-        if bool(done.all()):
-            break
-        low = torch.where(value < 0, z, low)
-        high = torch.where(value > 0, z, high)
-        proposal = z - step
-        inside = (proposal > low) & (proposal < high)
-        z = torch.where(done, z, torch.where(inside, proposal, 0.5 * (low + high)))
-    return z
+        # Rounding in the value scales with the size of its terms.
+        return value - target, slope, 4e-16 * (1.0 + target.abs() + beta * y)
+
+    return safeguarded_newton(equation, z, low, high)
 
 
 _LOG_4 = math.log(4.0)
 _LOG_2 = math.log(2.0)
-#: Exponents whose inner equation q^(alpha-2) (q - p) = nu is a quadratic with a closed form.
-CLOSED_INNER = (1.5, 3.0)
 
 
 def _closed_inner_log_q(closed: float, lp: Tensor, finite: Tensor, s: Tensor) -> Tensor:
@@ -115,7 +104,7 @@ def nested_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
     Outer Newton on s = log nu for sum_i q_i(s) - 1, which is convex and increasing (y_i is convex
     in s and q_i = p_i e^(y_i)), started at the upper end of the bracket so that the iterates
     decrease monotonically; inner Newton for each y_i, warm-started from the previous outer step.
-    With ``closed`` in `CLOSED_INNER` (every row has that alpha) the inner solve is a formula.
+    With ``closed`` = 3/2 or 3 (every row has that alpha) the inner solve is a formula.
     """
     dtype = log_p.dtype
     b = alpha.to(dtype) - 1.0
@@ -160,28 +149,21 @@ def nested_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
         rate = torch.where(finite, em1 / (beta * em1 + 1.0), 1.0 / beta)
         return q, rate, z_new
 
-    s = start
-    z = torch.zeros_like(log_p)
-    previous = torch.full_like(s, math.inf)
-    for _ in range(MAX_ITERATIONS):
-        q, rate, z = outputs(s, z)
-        value = q.sum(-1) - 1.0
-        step = value / (q * rate).sum(-1)
-        done = converged(value, previous, step, s)
-        previous = value
-        if bool(done.all()):
-            break
-        low = torch.where(value < 0, s, low)
-        high = torch.where(value > 0, s, high)
-        proposal = s - step
-        inside = (proposal > low) & (proposal < high) & torch.isfinite(proposal)
-        moved = torch.where(done, s, torch.where(inside, proposal, 0.5 * (low + high)))
+    state = {"z": torch.zeros_like(log_p)}
+
+    def outer(s_value: Tensor) -> tuple[Tensor, Tensor]:
+        q, state["rate"], state["z"] = outputs(s_value, state["z"])
+        return q.sum(-1) - 1.0, (q * state["rate"]).sum(-1)
+
+    def warm_start(old: Tensor, new: Tensor) -> None:
         # Predict each y_i at the new s to first order (dy/ds = rate), so the inner Newton
         # starts next to its root.
-        y = torch.exp(z)
-        predicted = y + rate * (moved - s).unsqueeze(-1)
-        z = torch.where(predicted > 0.5 * y, torch.log(predicted), z)
-        s = moved
+        y = torch.exp(state["z"])
+        predicted = y + state["rate"] * (new - old).unsqueeze(-1)
+        state["z"] = torch.where(predicted > 0.5 * y, torch.log(predicted), state["z"])
+
+    s = safeguarded_newton(outer, start, low, high, moved=warm_start)
+    z = state["z"]
     if closed is not None:
         log_q = _closed_inner_log_q(closed, lp, finite, s)
     else:
@@ -192,38 +174,27 @@ def nested_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
 
 
 def dual_log_renorm(log_p: Tensor, k: Tensor, alpha: Tensor, log_deficit: Tensor) -> Tensor:
-    """T*_alpha on the top-k entries of each row, in log space (alpha >= 1, +inf allowed).
-
-    Arguments as in `primal_log_renorm`.
-    """
-    mask = support_mask(k, log_p.shape[-1])
+    """T*_alpha on the top-k entries of each row, in log space (alpha >= 1, +inf allowed; the
+    exact path's map). Arguments as in `primal.primal_log_renorm`."""
     shape = log_p.shape
     lp = log_p.reshape(-1, shape[-1])
-    mk = mask.reshape(-1, shape[-1])
+    mk = support_mask(k, shape[-1]).reshape(-1, shape[-1])
     ld = log_deficit.reshape(-1)
     kk = k.reshape(-1)
     a = alpha.to(log_p.dtype).reshape(-1)
     out = torch.full_like(lp, -math.inf)
-    left = torch.ones_like(a, dtype=torch.bool)
-
-    def run(rows: Tensor, fn) -> None:
+    maps = {
+        Family.KL: lambda i: kl_log_renorm(lp[i], mk[i]),
+        Family.SQUARE: lambda i: square_log_renorm(lp[i], mk[i], ld[i], kk[i]),
+        Family.WATER: lambda i: water_filling_log_renorm(lp[i], mk[i], ld[i]),
+        Family.DUAL_THREE_HALVES: lambda i: nested_log_renorm(lp[i], mk[i], a[i], ld[i], kk[i],
+                                                              closed=1.5),
+        Family.DUAL_THREE: lambda i: nested_log_renorm(lp[i], mk[i], a[i], ld[i], kk[i],
+                                                       closed=3.0),
+        Family.EXACT: lambda i: nested_log_renorm(lp[i], mk[i], a[i], ld[i], kk[i]),
+    }
+    for family, rows in dual_family_masks(a, torch.isneginf(ld)):
         index = rows.nonzero().squeeze(-1)
         if index.numel():
-            out[index] = fn(index)
-
-    no_deficit = torch.isneginf(ld)
-    cases = (
-        (no_deficit | (a == 1.0), lambda i: kl_log_renorm(lp[i], mk[i])),
-        (a == 2.0, lambda i: square_log_renorm(lp[i], mk[i], ld[i], kk[i])),
-        (a == math.inf, lambda i: water_filling_log_renorm(lp[i], mk[i], ld[i])),
-    )
-    cases += tuple(
-        (a == value, lambda i, value=value: nested_log_renorm(lp[i], mk[i], a[i], ld[i], kk[i],
-                                                             closed=value))
-        for value in CLOSED_INNER)
-    for rows, fn in cases:
-        rows = rows & left
-        run(rows, fn)
-        left &= ~rows
-    run(left, lambda i: nested_log_renorm(lp[i], mk[i], a[i], ld[i], kk[i]))
+            out[index] = maps[family](index)
     return out.reshape(shape)

@@ -40,6 +40,7 @@ import math
 
 import torch
 
+from .families import Family
 from .numerics import bregman_alpha_kernel, logsubexp, logsumexp_masked
 
 Tensor = torch.Tensor
@@ -113,20 +114,13 @@ def three_halves_gaps(x: Tensor, deficit: Tensor) -> Tensor:
     return (2.0 / 3.0) * (moved + (root[..., 1:] + cn) ** 3)
 
 
-def closed_form_gaps(mode: str, alpha: float, x: Tensor, deficit: Tensor) -> Tensor | None:
-    """All gaps G(1..W-1) in closed form, or None when this (mode, alpha) has none."""
-    if alpha == 2.0:
+def closed_form_gaps(family: Family, x: Tensor, deficit: Tensor) -> Tensor:
+    """All gaps G(1..W-1) of a family with closed-form gaps (`families.has_closed_gaps`)."""
+    if family == Family.KL:
+        return kl_gaps(torch.cumsum(x, -1), x)
+    if family == Family.SQUARE:
         return square_gaps(x, deficit)
-    if mode == "primal" and alpha == 1.0:
-        prefix = torch.cumsum(x, -1)
-        return kl_gaps(prefix, x)
-    if mode == "primal" and alpha == 1.5:
-        return three_halves_gaps(x, deficit)
-    return None
-
-
-def has_closed_form(mode: str, alpha: float) -> bool:
-    return alpha == 2.0 or (mode == "primal" and alpha in (1.0, 1.5))
+    return three_halves_gaps(x, deficit)
 
 
 LOG_ZERO = -math.inf

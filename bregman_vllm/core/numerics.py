@@ -152,9 +152,4 @@ def _far(a: Tensor, b: Tensor, r: Tensor, zero: Tensor) -> Tensor:
 
 def logsumexp_masked(x: Tensor, mask: Tensor, dim: int = -1) -> Tensor:
     """logsumexp over entries where mask is True; -inf for an empty selection."""
-    neg_inf = torch.tensor(-math.inf, dtype=x.dtype, device=x.device)
-    masked = torch.where(mask, x, neg_inf)
-    top = masked.amax(dim=dim, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    total = torch.exp(masked - top).sum(dim=dim, keepdim=True)
-    return (top + torch.log(total)).squeeze(dim)
+    return torch.logsumexp(x.masked_fill(~mask, -math.inf), dim=dim)

@@ -32,24 +32,11 @@ import math
 
 import torch
 
+from .families import Family, primal_family_masks
 from .numerics import log_expm1, logsumexp_masked
+from .roots import safeguarded_newton
 
 Tensor = torch.Tensor
-
-# |sum q - 1| at which Newton stops: a few ulps of a sum of O(1) terms (the rounding floor).
-NEWTON_TOLERANCE = 4e-15
-MAX_ITERATIONS = 100
-
-
-def converged(value: Tensor, previous: Tensor, step: Tensor, x: Tensor,
-              tolerance: Tensor | float = NEWTON_TOLERANCE) -> Tensor:
-    """Stopping rule shared by the Newton loops: the residual is at the rounding floor, the step
-    is below float64 resolution, or the residual stopped halving once within a few ulps of the
-    tolerance (stagnation at the floor, where rounding rather than the iteration decides it)."""
-    floor = 4.0 * tolerance
-    return ((value.abs() <= tolerance) | (step.abs() <= 2e-16 * (1.0 + x.abs()))
-            | ((value.abs() <= floor) & (value.abs() >= 0.5 * previous.abs())))
-
 
 def support_mask(k: Tensor, width: int) -> Tensor:
     """[..., width] boolean mask of positions < k."""
@@ -58,35 +45,34 @@ def support_mask(k: Tensor, width: int) -> Tensor:
 
 
 def kl_log_renorm(log_p: Tensor, mask: Tensor) -> Tensor:
-    """alpha = 1 (KL): q = p / S, i.e. standard top-k renormalization (eq. topk)."""
-    log_s = logsumexp_masked(log_p, mask)
-    return torch.where(mask, log_p - log_s.unsqueeze(-1), -math.inf)
+    """alpha = 1 (KL): q = p / S, i.e. standard top-k renormalization (eq. (1))."""
+    inside = log_p.masked_fill(~mask, -math.inf)
+    return inside - torch.logsumexp(inside, -1, keepdim=True)
 
 
 def square_log_renorm(log_p: Tensor, mask: Tensor, log_deficit: Tensor, k: Tensor) -> Tensor:
-    """alpha = 2: q_i = p_i + R / k (Proposition alpha-special-cases)."""
+    """alpha = 2: q_i = p_i + R / k (Proposition 1)."""
     shift = (log_deficit - torch.log(k.to(log_p.dtype))).unsqueeze(-1)
-    return torch.where(mask, torch.logaddexp(log_p, shift), -math.inf)
+    return torch.logaddexp(log_p, shift).masked_fill_(~mask, -math.inf)
 
 
 def three_halves_log_renorm(log_p: Tensor, mask: Tensor, log_deficit: Tensor,
                             k: Tensor) -> Tensor:
-    """alpha = 3/2: q_i = (sqrt(p_i) + c)^2 with c = R / (sqrt(r^2 + k R) + r).
+    """alpha = 3/2: q_i = (sqrt(p_i) + c)^2 with c = R / (sqrt(r^2 + k R) + r) (Proposition 1).
 
     This is the paper's c = [sqrt(r^2 + k(1 - s)) - r] / k, rationalized so that it does not
     cancel when k R is small against r^2.
     """
-    half = torch.where(mask, 0.5 * log_p, -math.inf)
-    log_r = logsumexp_masked(half, mask)
-    kk = k.to(log_p.dtype)
+    half = (0.5 * log_p).masked_fill_(~mask, -math.inf)
+    log_r = torch.logsumexp(half, -1)
     # sqrt(r^2 + k R) in log space: 0.5 * logaddexp(2 log r, log k + log R).
-    log_root = 0.5 * torch.logaddexp(2.0 * log_r, torch.log(kk) + log_deficit)
+    log_root = 0.5 * torch.logaddexp(2.0 * log_r, torch.log(k.to(log_p.dtype)) + log_deficit)
     log_c = log_deficit - torch.logaddexp(log_root, log_r)
-    return torch.where(mask, 2.0 * torch.logaddexp(half, log_c.unsqueeze(-1)), -math.inf)
+    return (2.0 * torch.logaddexp(half, log_c.unsqueeze(-1))).masked_fill_(~mask, -math.inf)
 
 
 def water_filling_log_renorm(log_p: Tensor, mask: Tensor, log_deficit: Tensor) -> Tensor:
-    """alpha = +inf: q_i = max(p_i, c) with sum_i q_i = 1 (Proposition alpha-special-cases).
+    """alpha = +inf: q_i = max(p_i, c) with sum_i q_i = 1 (Proposition 1).
 
     With j entries above the water, c_j = (1 - S_j) / (k - j); the level is c_j for the smallest
     j with c_j >= p_(j+1). 1 - S_j is formed as R plus the masked suffix sum (no cancellation).
@@ -149,33 +135,10 @@ def _top_log_q(log_p: Tensor, finite: Tensor, beta: Tensor, delta: Tensor) -> Te
     return torch.where(finite, log_q, -math.inf)
 
 
-def _newton(evaluate, x: Tensor, low: Tensor, high: Tensor) -> Tensor:
-    """Safeguarded Newton for an increasing, convex F with F(low) <= 0 <= F(high).
-
-    ``evaluate(x) -> (F(x), F'(x))``. From a start with F >= 0 the iterates decrease
-    monotonically to the root (convexity); a step that leaves the bracket bisects instead. A row
-    stops once |F| <= NEWTON_TOLERANCE or its step is below float64 resolution.
-    """
-    previous = torch.full_like(x, math.inf)
-    for _ in range(MAX_ITERATIONS):
-        value, slope = evaluate(x)
-        step = value / slope
-        done = converged(value, previous, step, x)
-        previous = value
-        if bool(done.all()):
-            break
-        low = torch.where(value < 0, x, low)
-        high = torch.where(value > 0, x, high)
-        proposal = x - step
-        inside = (proposal > low) & (proposal < high) & torch.isfinite(proposal)
-        x = torch.where(done, x, torch.where(inside, proposal, 0.5 * (low + high)))
-    return x
-
-
 def _normalized(log_q: Tensor, mask: Tensor) -> Tensor:
     """Mask and remove the last rounding of the constraint (|sum q - 1| <= 1e-14)."""
-    log_q = torch.where(mask, log_q, -math.inf)
-    return log_q - logsumexp_masked(log_q, mask).unsqueeze(-1)
+    log_q = log_q.masked_fill(~mask, -math.inf)
+    return log_q - torch.logsumexp(log_q, -1, keepdim=True)
 
 
 def newton_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Tensor,
@@ -215,7 +178,7 @@ def newton_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
             q = torch.exp(torch.where(fin, lpi + _softplus(z) / bcol, tau.unsqueeze(-1))) * kp
             return q.sum(-1) - 1.0, (q * torch.where(fin, torch.sigmoid(z), 1.0)).sum(-1)
 
-        tau = _newton(level_equation, start, low, high)
+        tau = safeguarded_newton(level_equation, start, low, high)
         out[i] = _normalized(_level_log_q(lpi, fin, b, tau), mask[i])
 
     down = ~up
@@ -235,16 +198,22 @@ def newton_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
             return q.sum(-1) - 1.0, (q * torch.nan_to_num(weight)).sum(-1)
 
         start = (-log_s[i]).clamp_min(0.0).minimum(high)
-        delta = _newton(top_equation, start, low, high)
+        delta = safeguarded_newton(top_equation, start, low, high)
         out[i] = _normalized(_top_log_q(lpi, fin, b, delta), mask[i])
     return out
 
 
-PRIMAL_CLOSED_FORMS = (1.0, 1.5, 2.0, math.inf, -math.inf)
+_CLOSED_MAPS = {
+    Family.KL: lambda lp, mk, ld, kk: kl_log_renorm(lp, mk),
+    Family.THREE_HALVES: three_halves_log_renorm,
+    Family.SQUARE: square_log_renorm,
+    Family.WATER: lambda lp, mk, ld, kk: water_filling_log_renorm(lp, mk, ld),
+    Family.ARGMAX: lambda lp, mk, ld, kk: argmax_fill_log_renorm(lp, mk, ld),
+}
 
 
 def primal_log_renorm(log_p: Tensor, k: Tensor, alpha: Tensor, log_deficit: Tensor) -> Tensor:
-    """T_alpha on the top-k entries of each row, in log space.
+    """T_alpha on the top-k entries of each row, in log space (the exact path's map).
 
     Args:
         log_p: ``[..., K]`` log-probabilities sorted in decreasing order.
@@ -255,37 +224,21 @@ def primal_log_renorm(log_p: Tensor, k: Tensor, alpha: Tensor, log_deficit: Tens
     Returns:
         ``[..., K]`` log q, normalized, -inf at positions >= k.
     """
-    mask = support_mask(k, log_p.shape[-1])
-    alpha = alpha.to(log_p.dtype)
-    out = torch.full_like(log_p, -math.inf)
-    flat_alpha = alpha.reshape(-1)
-    rows_left = torch.ones_like(flat_alpha, dtype=torch.bool)
     shape = log_p.shape
-
-    def run(rows: Tensor, fn) -> None:
-        index = rows.nonzero().squeeze(-1)
-        if index.numel() == 0:
-            return
-        flat = out.view(-1, shape[-1])
-        flat[index] = fn(index)
-
     lp = log_p.reshape(-1, shape[-1])
-    mk = mask.reshape(-1, shape[-1])
+    mk = support_mask(k, shape[-1]).reshape(-1, shape[-1])
     ld = log_deficit.reshape(-1)
     kk = k.reshape(-1)
+    out = torch.full_like(lp, -math.inf)
+    # No deficit: every map is the identity, i.e. the KL map (q = p / S with S = 1).
     no_deficit = torch.isneginf(ld)
-    run(no_deficit, lambda i: kl_log_renorm(lp[i], mk[i]))
-    rows_left &= ~no_deficit
-    cases = (
-        (1.0, lambda i: kl_log_renorm(lp[i], mk[i])),
-        (1.5, lambda i: three_halves_log_renorm(lp[i], mk[i], ld[i], kk[i])),
-        (2.0, lambda i: square_log_renorm(lp[i], mk[i], ld[i], kk[i])),
-        (math.inf, lambda i: water_filling_log_renorm(lp[i], mk[i], ld[i])),
-        (-math.inf, lambda i: argmax_fill_log_renorm(lp[i], mk[i], ld[i])),
-    )
-    for value, fn in cases:
-        rows = rows_left & (flat_alpha == value)
-        run(rows, fn)
-        rows_left &= ~rows
-    run(rows_left, lambda i: newton_log_renorm(lp[i], mk[i], flat_alpha[i], ld[i], kk[i]))
-    return out
+    for family, rows in primal_family_masks(alpha.to(log_p.dtype).reshape(-1), no_deficit):
+        index = rows.nonzero().squeeze(-1)
+        if index.numel() == 0:
+            continue
+        i = index
+        if family in _CLOSED_MAPS:
+            out[i] = _CLOSED_MAPS[family](lp[i], mk[i], ld[i], kk[i])
+        else:
+            out[i] = newton_log_renorm(lp[i], mk[i], alpha.reshape(-1)[i], ld[i], kk[i])
+    return out.reshape(shape)

@@ -1,0 +1,400 @@
+"""The exact path: value-dependent candidate rounds and k* search, for what the fixed step leaves.
+
+Rows reach it when the fixed-shape step (`step`) could not certify them (k* beyond the first
+window, a near-tie within rounding, a Newton solve that had not converged) and for the
+``EXACT`` family (`families`: alphas without a fixed-iteration solver, user generators). It is
+the reference implementation the fixed step is tested against.
+
+Pipeline, per batch of rows (vectorized over rows; loops run over rounds and probes):
+
+1. Candidates: the W largest entries of each row (`candidates.top_entries`), with the mass of
+   everything else summed as positive terms.
+2. Support size. Fixed k: min(top_k, k_max, number of nonzero entries). Adaptive: the smallest k
+   with G(k) <= lambda (`gaps`), in closed form over all k for (primal, 1), (primal, 3/2) and
+   alpha = 2, otherwise by one window probe of `PROBE_WINDOW` sizes, then galloping and binary
+   search on the sign of G(m) - lambda, each probe solving T_m and T_(m+1) to the rounding
+   floor (`roots`) and evaluating G(m) as a sum of nonnegative terms (the Bregman Pythagorean
+   identity). Greedy property (Theorems 3.1, 3.2) and k-convexity (Theorem 3.3) make the first
+   k with G(k) <= lambda the global minimizer. A row whose k* is not certified inside its W
+   candidates goes to the next round with 8 W candidates (up to the whole row).
+3. log T_k* on the support, written into the output.
+
+Memory: a round holds a few float64 [rows, W] arrays; `decode_exact` processes rows in chunks so
+that a round over whole rows (W = V) stays within `MEMORY_BUDGET` bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from .candidates import top_entries
+from .dual import dual_log_renorm
+from .families import family_of, has_closed_gaps
+from .gaps import closed_form_gaps, dual_log_gap, primal_log_gap
+from .generators import (
+    BregmanGenerator,
+    generic_dual_renorm,
+    generic_gap,
+    generic_primal_renorm,
+)
+from .primal import primal_log_renorm, support_mask
+
+Tensor = torch.Tensor
+
+#: Width of the first candidate set; rows whose k* is not certified inside it get 8x more.
+INITIAL_CANDIDATES = 64
+_GROWTH = 8
+_FULL_SORT_FRACTION = 4
+#: Bytes of float64 work arrays one chunk of a whole-row round may hold (about 8 per entry).
+MEMORY_BUDGET = 256 * 1024 * 1024
+_BYTES_PER_ENTRY = 64  # float64 work arrays of a round over whole rows, per entry (measured)
+
+
+class ExactPlan(NamedTuple):
+    """Per-row parameters of the exact path (all [n] tensors; fixed_k / k_max: 0 = none)."""
+
+    mode: str
+    alpha: Tensor
+    lam: Tensor
+    fixed_k: Tensor
+    k_max: Tensor
+    generator: BregmanGenerator | None = None
+    alpha_values: tuple[float, ...] = ()  # distinct alphas (none: generator)
+
+
+def exact_plan(mode: str, alpha: Tensor, lam: Tensor, fixed_k: Tensor, k_max: Tensor,
+               generator: BregmanGenerator | None = None) -> ExactPlan:
+    values = () if generator is not None else tuple(torch.unique(alpha).tolist())
+    return ExactPlan(mode, alpha, lam, fixed_k, k_max, generator, values)
+
+# ----------------------------------------------------------------------------- candidates
+
+
+class _Candidates(NamedTuple):
+    log_p: Tensor  # [n, W] float64, sorted decreasingly, normalized by the row total; -inf = 0
+    x: Tensor  # [n, W] float64 probabilities (normalized)
+    index: Tensor  # [n, W] vocabulary positions
+    deficit: Tensor  # [n, W + 1] float64: R_j = 1 - S_j for j = 0..W
+    positive: Tensor  # [n] number of positive entries among the candidates
+    complete: Tensor  # [n] bool: no positive entry outside the candidates
+
+
+def _take(cand: _Candidates, rows: Tensor) -> _Candidates:
+    """The candidates of ``rows`` (sorted row numbers); no copy when that is every row, which is
+    the common case and saves copying [n, W] float64 tensors at every probe of the search."""
+    if rows.numel() == cand.x.shape[0]:
+        return cand
+    return _Candidates(*(t[rows] for t in cand))
+
+
+def _candidates(p: Tensor, width: int) -> tuple[_Candidates, Tensor]:
+    """The candidates of each row and the row total (float64) they were normalized by."""
+    values, index, rest = top_entries(p, width)
+    x = values.to(torch.float64).clamp_min(0.0)
+    total = torch.where(torch.isnan(values).any(-1), math.nan, x.sum(-1) + rest)
+    x = x / total.unsqueeze(-1)
+    tail = rest / total
+    suffix = torch.flip(torch.cumsum(torch.flip(x, [-1]), -1), [-1])
+    deficit = torch.cat([suffix, torch.zeros_like(tail).unsqueeze(-1)], -1) + tail.unsqueeze(-1)
+    positive = (x > 0).sum(-1)
+    complete = (positive < x.shape[-1]) | (tail <= 0)
+    return _Candidates(torch.log(x), x, index, deficit, positive, complete), total
+
+
+# ----------------------------------------------------------------------------- renormalization
+
+
+def _log_renorm(mode: str, log_p: Tensor, k: Tensor, alpha: Tensor, log_deficit: Tensor,
+                generator: BregmanGenerator | None = None) -> Tensor:
+    if generator is not None:
+        mask = support_mask(k, log_p.shape[-1])
+        renorm = generic_primal_renorm if mode == "primal" else generic_dual_renorm
+        return torch.log(renorm(torch.exp(log_p), mask, generator))
+    if mode == "primal":
+        return primal_log_renorm(log_p, k, alpha, log_deficit)
+    return dual_log_renorm(log_p, k, alpha, log_deficit)
+
+
+def _renorm_at(mode: str, cand: _Candidates, k: Tensor, alpha: Tensor,
+               generator: BregmanGenerator | None = None) -> Tensor:
+    """log T_k (per row, k >= 1) on the first max(k) candidate columns."""
+    width = int(k.max())
+    log_deficit = torch.log(torch.gather(cand.deficit, 1, k.unsqueeze(-1)).squeeze(-1))
+    return _log_renorm(mode, cand.log_p[:, :width], k, alpha, log_deficit, generator)
+
+
+#: Support sizes the first probe of an adaptive search covers at once (most k* are small).
+PROBE_WINDOW = 16
+
+
+def _window_exceeds(mode: str, cand: _Candidates, start: Tensor, count: int, alpha: Tensor,
+                    lam: Tensor, generator: BregmanGenerator | None = None
+                    ) -> tuple[Tensor, Tensor]:
+    """G(m) > lambda for m = start .. start + count - 1 per row ([n, count]), from the exact maps
+    on the count + 1 consecutive supports (1 <= start, start + count <= candidates); also returns
+    those maps (log T_m for m = start .. start + count, [n, count + 1, W])."""
+    sizes = start.unsqueeze(-1) + torch.arange(count + 1, device=start.device)  # [n, count + 1]
+    width = int(sizes.max())
+    log_p = cand.log_p[:, :width]
+    deficit = torch.gather(cand.deficit, 1, sizes)
+    maps = _log_renorm(mode, log_p.unsqueeze(1).expand(-1, count + 1, -1), sizes,
+                       alpha.unsqueeze(-1).expand(-1, count + 1), torch.log(deficit), generator)
+    log_q, log_q_next = maps[:, :-1], maps[:, 1:]
+    m = sizes[:, :-1]
+    a = alpha.unsqueeze(-1).expand(-1, count)
+    rows = log_p.unsqueeze(1).expand(-1, count, -1)
+    if generator is not None:
+        gap = generic_gap(mode, generator, torch.exp(rows), torch.exp(log_q),
+                          torch.exp(log_q_next), m)
+        return gap > lam.unsqueeze(-1), maps
+    if mode == "primal":
+        log_gap = primal_log_gap(log_q, log_q_next, m, a)
+    else:
+        log_gap = dual_log_gap(rows, log_q, log_q_next, m, a)
+    return log_gap > torch.log(lam).unsqueeze(-1), maps
+
+
+def _search(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, low: Tensor,
+            high: Tensor, generator: BregmanGenerator | None = None
+            ) -> tuple[Tensor, Tensor, Tensor]:
+    """Smallest k in [low, high] with G(k) <= lambda, where G(high) <= lambda is taken as given.
+
+    Rows starting at low = 1: one window probe decides G(1 .. WINDOW) at once (k* is usually
+    small), then galloping (m = low, low + 1, low + 3, ...) and bisection: O(log k*) probes. Rows
+    of a later candidate round (low > 1, high = 8 low) bisect [low, high]. All rows advance
+    together; each probe runs only on the rows still searching.
+
+    Returns (k*, log T_k* for the rows the window resolved ([n, W]), which rows those are).
+    """
+    low, high = low.clone(), high.clone()
+    cache = torch.empty(low.shape[0], 0, dtype=cand.log_p.dtype, device=low.device)
+    cached = torch.zeros_like(low, dtype=torch.bool)
+    first_round = low == 1  # later rounds know k* >= low: they bisect [low, high] directly
+    active = ((low < high) & first_round).nonzero().squeeze(-1)
+    if active.numel():
+        lo, hi = low[active], high[active]
+        count = int(min(PROBE_WINDOW, int((hi - lo).max())))
+        sub = _take(cand, active)
+        start = torch.minimum(lo, hi - count).clamp_min(1)  # keep the window inside [1, hi]
+        exceeds, maps = _window_exceeds(mode, sub, start, count, alpha[active], lam[active],
+                                        generator)
+        m = start.unsqueeze(-1) + torch.arange(count, device=lo.device)
+        # Sizes below low are known to exceed; at or beyond high the search stops by definition.
+        stop = (~exceeds | (m >= hi.unsqueeze(-1))) & (m >= lo.unsqueeze(-1))
+        first = torch.where(stop, m, hi.unsqueeze(-1)).amin(-1)
+        covered = start + count  # every size below this was decided
+        resolved = first < covered
+        high[active] = torch.where(resolved, first, hi)
+        low[active] = torch.where(resolved, first, torch.maximum(lo, covered))
+        # The window already holds T_k* for the rows it resolved: keep it for the output.
+        pick = (first - start).clamp(0, count).view(-1, 1, 1).expand(-1, 1, maps.shape[-1])
+        cache = torch.full((low.shape[0], maps.shape[-1]), -math.inf, dtype=maps.dtype,
+                           device=maps.device)
+        cache[active] = torch.gather(maps, 1, pick).squeeze(1)
+        cached[active] = resolved
+    step = torch.ones_like(low)
+    galloping = first_round.clone()
+    while True:
+        active = (low < high).nonzero().squeeze(-1)
+        if active.numel() == 0:
+            return low, cache, cached
+        lo, hi = low[active], high[active]
+        gal = galloping[active]
+        m = torch.where(gal, torch.minimum(lo + step[active] - 1, hi - 1), (lo + hi) // 2)
+        sub = _take(cand, active)
+        exceeds = _window_exceeds(mode, sub, m, 1, alpha[active], lam[active], generator)[0][:, 0]
+        low[active] = torch.where(exceeds, m + 1, lo)
+        high[active] = torch.where(exceeds, hi, m)
+        step[active] = torch.where(exceeds & gal, step[active] * 2, step[active])
+        galloping[active] = gal & exceeds
+
+
+def _support_sizes(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, fixed: Tensor,
+                   cap: Tensor, low: Tensor, generator: BregmanGenerator | None = None,
+                   alpha_values: tuple[float, ...] = ()) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Support size per row, whether it is certified with these candidates, and log T_k for the
+    rows whose map the search already computed (with a mask of those rows).
+
+    ``low`` is a known lower bound on k* (from earlier rounds); ``alpha_values`` the distinct
+    alphas of the plan, a superset of those of these rows.
+    """
+    width = cand.x.shape[-1]
+    n_known = torch.where(cand.complete, cand.positive, torch.full_like(cand.positive, 10**18))
+    limit = torch.where(cap > 0, torch.minimum(cap, n_known), n_known).clamp_min(1)
+    k = torch.zeros_like(fixed)
+    done = torch.zeros_like(fixed, dtype=torch.bool)
+    is_fixed = fixed > 0
+    fixed_k = torch.minimum(fixed, limit)
+    done |= is_fixed & (fixed_k <= width)
+    k = torch.where(is_fixed, fixed_k, k)
+    cache = torch.empty(k.shape[0], 0, dtype=cand.log_p.dtype, device=k.device)
+    cached = torch.zeros_like(done)
+    adaptive = (~is_fixed).nonzero().squeeze(-1)
+    if adaptive.numel():
+        hi = limit[adaptive]
+        bounded = hi <= width  # the last size is a real boundary
+        upper = torch.minimum(hi, torch.full_like(hi, width))
+        lo = torch.minimum(low[adaptive], upper)
+        sub = _take(cand, adaptive)
+        a, lm = alpha[adaptive], lam[adaptive]
+        found = torch.empty_like(lo)
+        if generator is not None or len(alpha_values) == 1:  # one divergence for every row
+            every = torch.arange(a.shape[0], device=a.device)
+            groups = [(alpha_values[0] if generator is None else math.nan, every)]
+        else:
+            groups = [(value, (a == value).nonzero().squeeze(-1))
+                      for value in torch.unique(a).tolist()]
+        for value, rows in groups:
+            if generator is None and has_closed_gaps(mode, value):
+                grp = _take(sub, rows)
+                gaps = closed_form_gaps(family_of(mode, value, fixed=False), grp.x, grp.deficit)
+                # Column j is k = j + 1; the last column (k = width) always stops.
+                gaps = torch.nn.functional.pad(gaps, (0, 1), value=-math.inf)
+                sizes = torch.arange(1, width + 1, device=gaps.device)
+                stop = (gaps <= lm[rows].unsqueeze(-1)) | (sizes >= upper[rows].unsqueeze(-1))
+                stop &= sizes >= lo[rows].unsqueeze(-1)
+                first = torch.where(stop, sizes, width).amin(-1)
+                found[rows] = torch.minimum(first, upper[rows])
+            else:
+                grp = _take(sub, rows)
+                found[rows], maps, have = _search(mode, grp, a[rows], lm[rows], lo[rows],
+                                                  upper[rows], generator)
+                if maps.shape[-1] > cache.shape[-1]:
+                    cache = torch.nn.functional.pad(cache, (0, maps.shape[-1] - cache.shape[-1]),
+                                                    value=-math.inf)
+                target = adaptive[rows]
+                cache[target] = torch.nn.functional.pad(
+                    maps, (0, cache.shape[-1] - maps.shape[-1]), value=-math.inf)
+                cached[target] = have
+        k[adaptive] = found
+        # Certified unless the search ran into the end of the candidate set without a boundary.
+        done[adaptive] = (found < width) | bounded
+    return k, done, cache, cached
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _final_maps(plan: ExactPlan, cand: _Candidates, k: Tensor, alpha: Tensor, cache: Tensor,
+                cached: Tensor) -> Tensor:
+    """log T_k for every row: from the search's cache where it has it, else renormalized now."""
+    todo = (~cached).nonzero().squeeze(-1)
+    if todo.numel() == 0:
+        return cache[:, : int(k.max())]
+    fresh = _renorm_at(plan.mode, _take(cand, todo), k[todo], alpha[todo],
+                       plan.generator)
+    if todo.numel() == k.shape[0]:
+        return fresh
+    width = max(fresh.shape[-1], int(k.max()))
+    out = torch.nn.functional.pad(cache[:, :width], (0, max(0, width - cache.shape[-1])),
+                                  value=-math.inf)
+    out[todo] = torch.nn.functional.pad(fresh, (0, width - fresh.shape[-1]), value=-math.inf)
+    return out
+
+
+def _decode_rows(p: Tensor, plan: ExactPlan) -> tuple[list[tuple[Tensor, Tensor, Tensor, Tensor]],
+                                                  Tensor]:
+    """Decode every row of ``p`` ([N, V]).
+
+    Returns one chunk per candidate round, (rows, index [n, W], log_q [n, W], k [n]), in which the
+    W positions of a row are distinct (log q = -inf past its support), and the rows that are not
+    distributions (no positive mass, NaN or inf), which are left alone.
+    """
+    n, vocab = p.shape
+    device = p.device
+    pending = torch.arange(n, device=device)
+    low = torch.ones(n, dtype=torch.long, device=device)
+    width = min(max(INITIAL_CANDIDATES, 2), vocab)
+    chunks: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
+    invalid: list[Tensor] = []
+    while pending.numel():
+        if width < vocab:
+            # Fixed-k rows larger than this round's width wait for a wider round.
+            need = plan.fixed_k[pending]
+            ready = need <= width
+            now, later = pending[ready], pending[~ready]
+        else:
+            now, later = pending, pending[:0]
+        if now.numel():
+            rows_now = p if now.numel() == n else p[now]  # no copy in the common case
+            cand, total = _candidates(rows_now, width)
+            bad = ~torch.isfinite(total) | (total <= 0)
+            if bool(bad.any()):
+                invalid.append(now[bad])
+                good = (~bad).nonzero().squeeze(-1)
+                now, cand = now[good], _take(cand, good)
+            k, done, cache, cached = _support_sizes(
+                plan.mode, cand, plan.alpha[now], plan.lam[now], plan.fixed_k[now],
+                plan.k_max[now], low[now], plan.generator, plan.alpha_values)
+            if width >= vocab:
+                done = torch.ones_like(done)
+            fin = done.nonzero().squeeze(-1)
+            if fin.numel() == now.numel():  # every row certified: no copies of the candidates
+                log_q = _final_maps(plan, cand, k, plan.alpha[now], cache, cached)
+                chunks.append((now, cand.index[:, : log_q.shape[-1]], log_q, k))
+            elif fin.numel():
+                rows = now[fin]
+                sub = _take(cand, fin)
+                log_q = _final_maps(plan, sub, k[fin], plan.alpha[rows], cache[fin], cached[fin])
+                chunks.append((rows, sub.index[:, : log_q.shape[-1]], log_q, k[fin]))
+            again = (~done).nonzero().squeeze(-1)
+            low[now[again]] = width  # G(k) > lambda for every k < width
+            later = torch.cat([later, now[again]])
+        pending = later
+        width *= _GROWTH
+        if width * _FULL_SORT_FRACTION >= vocab:  # a top-k that large costs about a full sort
+            width = vocab
+    empty = torch.empty(0, dtype=torch.long, device=device)
+    return chunks, torch.cat(invalid) if invalid else empty
+
+
+def _write(out: Tensor, k_out: Tensor, chunks, to_values) -> None:
+    """Write each chunk's support values into ``out`` ([N, V]) without touching other entries."""
+    vocab = out.shape[-1]
+    flat = out.view(-1)
+    for rows, index, log_q, k in chunks:
+        positions = (rows.unsqueeze(-1) * vocab + index).reshape(-1)
+        flat.index_put_((positions,), to_values(log_q).reshape(-1))
+        k_out[rows] = k
+
+
+def _keep_all(p2: Tensor) -> tuple[Tensor, Tensor]:
+    """lambda = 0 without a cap: k* is the whole support, renormalized (cost(k) decreases in k).
+
+    One pass in the input dtype (the float32 sum is a cascade: relative error ~1e-7, and never
+    below the largest entry, so every quotient is in [0, 1]); rows that are not distributions
+    are returned unchanged with k = 0. k counts the nonzero entries of the output.
+    """
+    # Few full-size temporaries: each one costs a pass and, at [64, 128256], fresh pages.
+    normalized = p2.clamp_min(0)
+    total = normalized.sum(-1, keepdim=True)
+    usable = torch.isfinite(total) & (total > 0)
+    normalized.div_(torch.where(usable, total, 1.0))
+    # sign() sums exactly in float (counts < 2^24); bool reductions are 10x slower on CPU.
+    support = torch.where(usable.squeeze(-1), normalized.sign().sum(-1), 0.0).long()
+    if not bool(usable.all()):
+        normalized = torch.where(usable, normalized, p2)
+    return normalized, support
+
+
+
+
+def decode_exact(out: Tensor, k_out: Tensor, p: Tensor, plan: ExactPlan, to_values) -> None:
+    """Decode every row of ``p`` ([n, V] probabilities, entries >= 0) with the exact path and
+    write the supports into ``out`` ([n, V], pre-filled with the value off the support) and the
+    sizes into ``k_out``; rows that are not distributions are left as ``out`` has them.
+
+    Rows go in chunks small enough for a whole-row round to stay within `MEMORY_BUDGET`.
+    """
+    n, vocab = p.shape
+    chunk = max(1, MEMORY_BUDGET // max(1, vocab * _BYTES_PER_ENTRY))
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        sub = plan if (start, stop) == (0, n) else plan._replace(
+            alpha=plan.alpha[start:stop], lam=plan.lam[start:stop],
+            fixed_k=plan.fixed_k[start:stop], k_max=plan.k_max[start:stop])
+        chunks, _invalid = _decode_rows(p[start:stop], sub)
+        _write(out[start:stop], k_out[start:stop], chunks, to_values)

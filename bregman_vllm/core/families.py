@@ -1,0 +1,154 @@
+"""Formula families: which formulas decode a row, decided once per plan from (mode, alpha, k).
+
+This module is the one place where special values of alpha are recognized. Every other module
+asks it (`family_of` for one row on the host, `primal_family_masks` / `dual_family_masks` for
+the per-row dispatch of the exact path, `has_closed_gaps` for the gap formulas), so a closed form
+is never picked by a float comparison written somewhere else.
+
+Paper: Noarov, Mallick, Wang et al., "Foundations of Top-k Decoding for Language Models",
+arXiv 2505.19371. The primal map is eq. (5) (Definition 5 for phi_alpha), the dual map eq. (6);
+the closed forms are Proposition 1 (alpha = -inf, 3/2, 2, +inf).
+
+=================  ====================================================================
+family             rows
+=================  ====================================================================
+``KEEP_ALL``       lambda = 0, no fixed k, no cap: k* is the whole support (cost(k) decreases)
+``KL``             primal alpha = 1 (standard top-k renormalization, eq. (1)); dual alpha = 1
+``THREE_HALVES``   primal alpha = 3/2 (Proposition 1)
+``SQUARE``         alpha = 2, primal or dual (the two maps coincide, Proposition 1)
+``WATER``          alpha = +inf, fixed k (water-filling, Proposition 1), primal or dual
+``ARGMAX``         primal alpha = -inf, fixed k (the deficit goes to the argmax)
+``POWER``          primal alpha in [1.1, 7], other values: q_i = (p_i^b + w)^(1/b), b = alpha - 1,
+                   one scalar w per (row, k) by Newton in linear space
+``DUAL_THREE_HALVES``  dual alpha = 3/2: the inner equation of eq. (6) is a quadratic in sqrt(q)
+``DUAL_THREE``     dual alpha = 3: the inner equation is a quadratic in q
+``EXACT``          everything else (alpha near 1 or large, alpha < 1, other dual alphas, a user
+                   generator): the exact log-space path of `exact`
+=================  ====================================================================
+
+The fixed-shape step (`step`) decodes every family but ``EXACT`` with a fixed sequence of ops;
+``EXACT`` rows go through `exact` (value-dependent rounds, host syncs), like rows the fixed
+step could not certify.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import torch
+
+Tensor = torch.Tensor
+
+#: Primal alphas (besides the closed forms) solved by the linear-space Newton of `window`:
+#: b = alpha - 1 in [0.1, 6] keeps p^b in float64 range for every float32 probability and the
+#: power 1/b from amplifying rounding beyond 1e-14.
+POWER_RANGE: tuple[float, float] = (1.1, 7.0)
+
+
+class Family(str, enum.Enum):
+    KEEP_ALL = "keep_all"
+    KL = "kl"
+    THREE_HALVES = "three_halves"
+    SQUARE = "square"
+    WATER = "water"
+    ARGMAX = "argmax"
+    POWER = "power"
+    DUAL_THREE_HALVES = "dual_three_halves"
+    DUAL_THREE = "dual_three"
+    EXACT = "exact"
+
+
+#: Families whose k* search is a closed-form gap over the whole window (no iteration).
+CLOSED_GAP_FAMILIES = frozenset({Family.KL, Family.THREE_HALVES, Family.SQUARE})
+#: Families solved by a fixed number of Newton iterations per support size.
+ITERATIVE_FAMILIES = frozenset({Family.POWER, Family.DUAL_THREE_HALVES, Family.DUAL_THREE})
+
+
+def family_of(mode: str, alpha: float, fixed: bool, lam: float = 1.0, capped: bool = False
+              ) -> Family:
+    """The family of one row, from validated parameters (host values, no tensors)."""
+    if not fixed and lam == 0.0 and not capped:
+        return Family.KEEP_ALL
+    if alpha == 2.0:
+        return Family.SQUARE
+    if alpha == 1.0:
+        return Family.KL
+    if alpha == math.inf:
+        return Family.WATER if fixed else Family.EXACT  # adaptive +inf is refused upstream
+    if mode == "primal":
+        if alpha == 1.5:
+            return Family.THREE_HALVES
+        if alpha == -math.inf:
+            return Family.ARGMAX
+        if POWER_RANGE[0] <= alpha <= POWER_RANGE[1]:
+            return Family.POWER
+        return Family.EXACT
+    if alpha == 1.5:
+        return Family.DUAL_THREE_HALVES
+    if alpha == 3.0:
+        return Family.DUAL_THREE
+    return Family.EXACT
+
+
+def newton_iterations(family: Family, alphas: list[float]) -> int:
+    """Fixed Newton iterations for a group of rows (the worst alpha of the group decides).
+
+    Counted from the starts in `window`: POWER converges monotonically (concave in w for
+    b >= 1, convex for b < 1, each start on the side that makes the iterates monotone) and
+    needs more steps as |b| grows; the dual quadratic families converge in 2 to 6. A row that is not
+    converged after these steps is not certified and is decoded again by the exact path, so
+    the counts trade speed for how often that happens, never exactness.
+    """
+    if family == Family.DUAL_THREE_HALVES:
+        return 5
+    if family == Family.DUAL_THREE:
+        return 7
+    if family != Family.POWER:
+        return 0
+    spread = max(max(a - 1.0, 1.0 / max(a - 1.0, 1e-12)) for a in alphas)
+    if spread <= 2.0:
+        return 6
+    if spread <= 3.0:
+        return 7
+    if spread <= 5.0:
+        return 8
+    return 10
+
+
+def primal_family_masks(alpha: Tensor, no_deficit: Tensor) -> list[tuple[Family, Tensor]]:
+    """Per-row families of the exact primal map (one boolean mask each, disjoint, covering
+    every row): rows without a deficit and alpha = 1 take the KL map, the special alphas of
+    Proposition 1 their closed forms, every other alpha the safeguarded Newton (``POWER``)."""
+    kl = no_deficit | (alpha == 1.0)
+    masks = [(Family.KL, kl)]
+    taken = kl
+    for value, family in ((1.5, Family.THREE_HALVES), (2.0, Family.SQUARE),
+                          (math.inf, Family.WATER), (-math.inf, Family.ARGMAX)):
+        rows = (alpha == value) & ~taken
+        masks.append((family, rows))
+        taken = taken | rows
+    masks.append((Family.POWER, ~taken))
+    return masks
+
+
+def dual_family_masks(alpha: Tensor, no_deficit: Tensor) -> list[tuple[Family, Tensor]]:
+    """Per-row families of the exact dual map: KL (no deficit, alpha = 1), SQUARE (alpha = 2,
+    equal to the primal map), WATER (+inf), the quadratic inner equations (3/2, 3) and the nested
+    root finding of Algorithm 1 for every other alpha (``EXACT``)."""
+    kl = no_deficit | (alpha == 1.0)
+    masks = [(Family.KL, kl)]
+    taken = kl
+    for value, family in ((2.0, Family.SQUARE), (math.inf, Family.WATER),
+                          (1.5, Family.DUAL_THREE_HALVES), (3.0, Family.DUAL_THREE)):
+        rows = (alpha == value) & ~taken
+        masks.append((family, rows))
+        taken = taken | rows
+    masks.append((Family.EXACT, ~taken))
+    return masks
+
+
+def has_closed_gaps(mode: str, alpha: float) -> bool:
+    """Whether G(k) has a closed form for every k (`gaps`): primal 1, 3/2 and alpha = 2."""
+    return family_of(mode, alpha, fixed=False) in CLOSED_GAP_FAMILIES and \
+        not (mode == "dual" and alpha == 1.0)

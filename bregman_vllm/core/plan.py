@@ -1,0 +1,312 @@
+"""Plan: the per-row parameters of a batch, validated and grouped by formula family, on the host.
+
+A plan is built once per batch change (in vLLM: when requests join, leave or move) and reused
+at every decoding step. Everything that depends only on the parameters happens here, on the
+host, with no device sync: validation (`bregman_vllm.params`), the family of each row
+(`families`), the candidate width and search window of each group, the Newton iteration count,
+and the device copies of per-row values (pinned, non-blocking on CUDA).
+
+Each `Group` holds the rows of one family, either every row of the batch in order (``rows is
+None``; the common case, no row gather) or the positions listed in ``rows``. Per-row values are
+Python numbers when the whole group shares them (no tensor at all, the common case of one
+request configuration) or device tensors otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..params import BregmanParamError, check_alpha, parse_mode
+from .candidates import UNBOUNDED
+from .families import ITERATIVE_FAMILIES, Family, family_of, newton_iterations
+from .generators import BregmanGenerator
+
+Tensor = torch.Tensor
+
+#: Candidates of the first (and usually only) window: k* up to WINDOW - 1 is certified there.
+WINDOW = 64
+
+
+@dataclass(frozen=True)
+class Group:
+    """Rows of one formula family; see the module docstring."""
+
+    family: Family
+    mode: str
+    fixed: bool  # fixed support size (generalized top-k): no search
+    rows: Tensor | None  # device positions in the batch; None = every row, in order
+    count: int
+    alpha: float | Tensor
+    lam: float | Tensor
+    size: int | Tensor  # fixed: the support size; adaptive: the cap k_max (UNBOUNDED: none)
+    capped: bool  # adaptive rows with a cap (the limit is min(cap, #positive))
+    width: int  # candidates per row
+    window: int  # adaptive: support sizes searched at once (<= width)
+    bounded: bool  # every row's cap fits the window: certified without a window check
+    iterations: int = 0
+    below_two: bool = False  # POWER: some alpha < 2 (b < 1)
+    above_two: bool = False  # POWER: some alpha > 2
+    generator: BregmanGenerator | None = None
+    host: dict[str, list] = field(default_factory=dict, repr=False)  # per-row host values
+
+    def rows_or_all(self, device: torch.device) -> Tensor:
+        if self.rows is not None:
+            return self.rows
+        return torch.arange(self.count, device=device)
+
+
+@dataclass(frozen=True)
+class Plan:
+    groups: tuple[Group, ...]
+    batch: int  # rows of the batch the plan was made for
+    vocab: int
+
+
+def _as_list(value, name: str, batch_shape: tuple[int, ...]) -> list | None:
+    """Host values of one parameter: None for a shared Python number, else one per row (a
+    tensor broadcasts to the batch shape, a sequence gives one value per flattened row)."""
+    if value is None or (isinstance(value, (int, float, str)) and not isinstance(value, bool)):
+        return None
+    if isinstance(value, bool):
+        raise BregmanParamError(name, f"must be a number, got {value!r}")
+    batch = math.prod(batch_shape)
+    if isinstance(value, Tensor):
+        try:
+            value = torch.broadcast_to(value.detach(), batch_shape)
+        except RuntimeError:
+            raise BregmanParamError(name, f"shape {tuple(value.shape)} does not broadcast to the "
+                                    f"batch shape {tuple(batch_shape)}") from None
+        return value.reshape(-1).tolist()
+    values = list(value)
+    if len(values) != batch:
+        raise BregmanParamError(name, f"{len(values)} values for a batch of {batch} rows")
+    return values
+
+
+def _number(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BregmanParamError(name, f"must be a number, got {value!r}")
+    return float(value)
+
+
+def _size(value, name: str) -> int:
+    """0 (not set) or an integer >= 1."""
+    if value is None:
+        return 0
+    if isinstance(value, bool):
+        raise BregmanParamError(name, f"must be an integer >= 1, got {value!r}")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or value < 0:
+        text = "must hold integers >= 1 (or 0 for 'not set')" if isinstance(value, (int, float)) \
+            else f"must be an integer >= 1, got {value!r}"
+        raise BregmanParamError(name, text)
+    return value
+
+
+def make_plan(
+    mode: str,
+    alpha,
+    lam,
+    top_k=None,
+    k_max=None,
+    *,
+    batch_shape: tuple[int, ...] | int,
+    vocab: int,
+    device: torch.device | str,
+    generator: BregmanGenerator | None = None,
+    validate: bool = True,
+    names: tuple[str, str, str, str] = ("alpha", "lam", "top_k", "k_max"),
+) -> Plan:
+    """Validate and group per-row parameters (each a number, a sequence or a tensor of one
+    value per row; ``top_k`` / ``k_max`` None or 0 = not set). Host work only, apart from the
+    device copies of per-row values (and a ``.tolist()`` when tensors are given)."""
+    mode = parse_mode(mode, "mode", allow_off=False)
+    device = torch.device(device)
+    batch_shape = (batch_shape,) if isinstance(batch_shape, int) else tuple(batch_shape)
+    batch = math.prod(batch_shape)
+    alpha_name, lam_name, top_name, cap_name = names
+    if generator is not None and alpha is not None:
+        raise BregmanParamError(alpha_name, "give either alpha or generator, not both")
+    if generator is None and alpha is None:
+        raise BregmanParamError(alpha_name, "is required")
+    if generator is not None and not isinstance(generator, BregmanGenerator):
+        raise BregmanParamError(
+            "generator", "must implement phi, dphi, d2phi and inv_dphi (BregmanGenerator)")
+    alphas = _as_list(alpha if generator is None else 0.0, alpha_name, batch_shape)
+    lams = _as_list(lam, lam_name, batch_shape)
+    tops = _as_list(top_k, top_name, batch_shape)
+    caps = _as_list(k_max, cap_name, batch_shape)
+    # A shared number must be a valid size; per-row values may be 0 ("not set" for that row).
+    for value, name in ((top_k, top_name), (k_max, cap_name)):
+        if value is not None and not isinstance(value, (Tensor, list, tuple)) \
+                and _size(value, name) == 0:
+            raise BregmanParamError(name, f"must be an integer >= 1, got {value!r}")
+    if alphas is None and lams is None and tops is None and caps is None:
+        shared = _shared(mode, alpha, lam, top_k, k_max, generator, validate, names, vocab)
+        return Plan((_group(shared[0], mode, shared[1], None, batch, [shared[2]], [shared[3]],
+                            [shared[4]], [shared[5]], device, generator, vocab,
+                            uniform=True),), batch, vocab)
+    rows = _rows(mode, alpha, lam, top_k, k_max, alphas, lams, tops, caps, batch, generator,
+                 validate, names, vocab)
+    by_key: dict[tuple[Family, bool], list[int]] = {}
+    for index, row in enumerate(rows):
+        by_key.setdefault((row[0], row[1]), []).append(index)
+    groups = []
+    for (family, fixed), members in by_key.items():
+        every = len(members) == batch
+        position = None if every else _to_device(members, torch.long, device)
+        groups.append(_group(family, mode, fixed, position, len(members),
+                             [rows[i][2] for i in members], [rows[i][3] for i in members],
+                             [rows[i][4] for i in members], [rows[i][5] for i in members],
+                             device, generator, vocab))
+    return Plan(tuple(groups), batch, vocab)
+
+
+Row = tuple[Family, bool, float, float, int, int]  # family, fixed, alpha, lam, size, cap
+
+
+def _classify(mode: str, alpha: float, lam: float, top: int, cap: int, generator,
+              validate: bool, names, vocab: int) -> Row:
+    alpha_name, lam_name, top_name, cap_name = names
+    if validate:
+        if math.isnan(lam) or not math.isfinite(lam) or lam < 0:
+            raise BregmanParamError(lam_name, f"must be a finite number in [0, inf), got {lam:g}")
+        for name, value in ((top_name, top), (cap_name, cap)):
+            if value < 0:
+                raise BregmanParamError(name, f"must be an integer >= 1, got {value}")
+    # The vocabulary bounds every support: larger sizes are clamped (never an error).
+    top, cap = min(top, vocab), min(cap, vocab)
+    fixed_size = min(top, cap) if top and cap else top
+    if not top and cap and lam == 0.0:
+        fixed_size = cap  # lambda = 0 keeps every nonzero entry: k* = k_max
+    fixed = fixed_size > 0
+    if generator is not None:
+        keep = not fixed and lam == 0.0 and not cap
+        return (Family.KEEP_ALL if keep else Family.EXACT, fixed, 0.0, lam, fixed_size, cap)
+    if validate and top > 0:
+        check_alpha(alpha, mode, fixed_k=True, field=alpha_name)
+    elif validate:
+        check_alpha(alpha, mode, fixed_k=False, field=alpha_name)
+    family = family_of(mode, alpha, fixed, lam, capped=cap > 0)
+    if family == Family.KEEP_ALL:
+        fixed = False
+    return (family, fixed, alpha, lam, fixed_size, cap)
+
+
+def _shared(mode, alpha, lam, top_k, k_max, generator, validate, names, vocab):
+    a = 0.0 if generator is not None else _alpha_number(alpha, names[0])
+    return _classify(mode, a, _number(lam, names[1]), _size(top_k, names[2]),
+                     _size(k_max, names[3]), generator, validate, names, vocab)
+
+
+def _alpha_number(value, name: str) -> float:
+    if isinstance(value, str):
+        from ..params import parse_alpha
+
+        return parse_alpha(value, name)
+    return _number(value, name)
+
+
+def _rows(mode, alpha, lam, top_k, k_max, alphas, lams, tops, caps, batch, generator,
+          validate, names, vocab) -> list[Row]:
+    alpha_value = None if alphas is not None else (
+        0.0 if generator is not None else _alpha_number(alpha, names[0]))
+    lam_value = None if lams is not None else _number(lam, names[1])
+    top_value = None if tops is not None else _size(top_k, names[2])
+    cap_value = None if caps is not None else _size(k_max, names[3])
+    seen: dict[tuple, Row] = {}
+    out = []
+    for i in range(batch):
+        key = (alphas[i] if alphas is not None else alpha_value,
+               lams[i] if lams is not None else lam_value,
+               tops[i] if tops is not None else top_value,
+               caps[i] if caps is not None else cap_value)
+        row = seen.get(key)
+        if row is None:
+            a = key[0] if generator is not None else _alpha_number(key[0], names[0])
+            row = _classify(mode, float(a), _number(key[1], names[1]), _size(key[2], names[2]),
+                            _size(key[3], names[3]), generator, validate, names, vocab)
+            seen[key] = row
+        out.append(row)
+    return out
+
+
+def plan_requests(requests: Sequence[tuple[int, object]], *, batch: int, vocab: int,
+                  device: torch.device | str) -> Plan:
+    """The plan of a vLLM batch: ``requests`` lists (batch position, validated
+    `bregman_vllm.params.BregmanParams`) for the rows to decode; other rows are left alone.
+
+    Host work only (the parameters were validated at admission), plus pinned, non-blocking
+    copies of the group positions and per-row values.
+    """
+    device = torch.device(device)
+    by_key: dict[tuple[str, Family, bool], list[tuple[int, Row]]] = {}
+    names = ("bregman_alpha", "bregman_lambda", "bregman_top_k", "bregman_k_max")
+    seen: dict[object, Row] = {}
+    for position, params in requests:
+        row = seen.get(params)
+        if row is None:
+            row = seen[params] = _classify(
+                params.mode, float(params.alpha), float(params.lam), params.top_k or 0,
+                params.k_max or 0, None, True, names, vocab)
+        by_key.setdefault((params.mode, row[0], row[1]), []).append((position, row))
+    groups = []
+    for (mode, family, fixed), members in by_key.items():
+        positions = [position for position, _ in members]
+        every = positions == list(range(batch))
+        rows = None if every else _to_device(positions, torch.long, device)
+        groups.append(_group(family, mode, fixed, rows, len(members),
+                             [r[2] for _, r in members], [r[3] for _, r in members],
+                             [r[4] for _, r in members], [r[5] for _, r in members],
+                             device, None, vocab))
+    return Plan(tuple(groups), batch, vocab)
+
+
+def _to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Host values on ``device``: a pinned, non-blocking copy on CUDA (the stream orders it
+    before any kernel that reads it), a plain tensor elsewhere."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _per_row(values: list, dtype: torch.dtype, device: torch.device, uniform: bool):
+    """A Python number when every row shares the value, else a device tensor."""
+    if uniform or all(v == values[0] for v in values):
+        return values[0]
+    return _to_device(values, dtype, device)
+
+
+def _group(family: Family, mode: str, fixed: bool, rows: Tensor | None, count: int,
+           alphas: list, lams: list, sizes: list, caps: list, device: torch.device,
+           generator, vocab: int, uniform: bool = False) -> Group:
+    capped = any(c > 0 for c in caps)
+    if fixed:
+        width = window = max(1, max(sizes))
+        bounded = True
+    else:
+        cap_values = [c if c > 0 else UNBOUNDED for c in caps]
+        largest = min(max(cap_values), vocab)  # no support is larger than the vocabulary
+        width = window = max(1, min(WINDOW, largest))
+        bounded = largest <= window
+        sizes = cap_values
+    iterations = newton_iterations(family, alphas) if family in ITERATIVE_FAMILIES else 0
+    below = family == Family.POWER and any(a < 2.0 for a in alphas)
+    above = family == Family.POWER and any(a > 2.0 for a in alphas)
+    return Group(
+        family=family, mode=mode, fixed=fixed, rows=rows, count=count,
+        alpha=_per_row(alphas, torch.float64, device, uniform),
+        lam=_per_row(lams, torch.float64, device, uniform),
+        size=_per_row(sizes, torch.long, device, uniform),
+        capped=capped, width=width, window=window, bounded=bounded, iterations=iterations,
+        below_two=below, above_two=above, generator=generator,
+        host={"alpha": alphas, "lam": lams, "size": sizes, "cap": caps},
+    )
+
+

@@ -1,0 +1,66 @@
+"""The one safeguarded Newton iteration of the exact path (maps of eqs. (5) and (7)).
+
+Every map without a closed form reduces to scalar root finding (Section 3.1 of arXiv
+2505.19371): one unknown per row for the primal map (the level w of eq. (5)), and for the dual
+map one outer unknown per row (nu of eq. (7)) and one inner unknown per entry (Algorithm 1).
+All three are solved here, elementwise over a batch, to the rounding floor. (The fixed-shape
+step of `window` runs a fixed number of plain Newton steps instead, from starts that make them
+monotone, and certifies the result.)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+Tensor = torch.Tensor
+
+#: |F| at which Newton stops: a few ulps of a sum of O(1) terms (the rounding floor).
+NEWTON_TOLERANCE = 4e-15
+MAX_ITERATIONS = 100
+
+
+def converged(value: Tensor, previous: Tensor, step: Tensor, x: Tensor,
+              tolerance: Tensor | float = NEWTON_TOLERANCE) -> Tensor:
+    """The residual is at the rounding floor, the step is below float64 resolution, or the
+    residual stopped halving once within a few ulps of the tolerance (stagnation at the floor,
+    where rounding rather than the iteration decides it)."""
+    floor = 4.0 * tolerance
+    return ((value.abs() <= tolerance) | (step.abs() <= 2e-16 * (1.0 + x.abs()))
+            | ((value.abs() <= floor) & (value.abs() >= 0.5 * previous.abs())))
+
+
+Evaluation = tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]
+
+
+def safeguarded_newton(evaluate: Callable[[Tensor], Evaluation], x: Tensor, low: Tensor,
+                       high: Tensor, moved: Callable[[Tensor, Tensor], None] | None = None
+                       ) -> Tensor:
+    """Root of an increasing F with F(low) <= 0 <= F(high), elementwise.
+
+    ``evaluate(x)`` returns (F(x), F'(x)) or (F(x), F'(x), tolerance). A Newton step that leaves
+    the bracket (or is not finite) bisects instead; an element stops once `converged`. When F is
+    convex and the start has F >= 0, the iterates decrease monotonically. ``moved(old, new)``
+    runs after every update (e.g. to warm-start an inner solve).
+    """
+    previous = torch.full_like(x, math.inf)
+    for _ in range(MAX_ITERATIONS):
+        evaluation = evaluate(x)
+        value, slope = evaluation[0], evaluation[1]
+        tolerance = evaluation[2] if len(evaluation) > 2 else NEWTON_TOLERANCE
+        step = value / slope
+        done = converged(value, previous, step, x, tolerance)
+        previous = value
+        if bool(done.all()):
+            break
+        low = torch.where(value < 0, x, low)
+        high = torch.where(value > 0, x, high)
+        proposal = x - step
+        inside = (proposal > low) & (proposal < high) & torch.isfinite(proposal)
+        updated = torch.where(done, x, torch.where(inside, proposal, 0.5 * (low + high)))
+        if moved is not None:
+            moved(x, updated)
+        x = updated
+    return x

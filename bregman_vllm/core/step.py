@@ -1,0 +1,263 @@
+"""The decoding step: a batch of scores in, the Bregman-decoded batch out, with a plan.
+
+This is the hot path (vLLM calls it once per generated token for the whole batch). For each
+group of the plan (`plan`: rows of one formula family), in order:
+
+1. p = softmax(logits) (or the given probabilities, negatives counted as 0), rows gathered from
+   the batch only when the group is not the whole batch;
+2. the candidates: the top `width` entries and the deficits R_k (`candidates`);
+3. the support size and the map: fixed k, or the adaptive k* over a fixed window of sizes
+   (`window`), with a certificate for rows whose answer could lie outside what the window
+   decided;
+4. the output: log q (or q) on the support, -inf (or 0) elsewhere; rows that are not
+   distributions (NaN, no mass) come back unchanged.
+
+Then one host sync, only for plans that can produce uncertified rows: if any row of any group
+is uncertified, those rows are decoded again by the exact path (`exact`, value-dependent). Plans
+whose every row is certified by construction (closed-form or fixed-k families whose k_max fits
+the window) never sync. Everything before the sync is a fixed sequence of ops on fixed shapes.
+
+Extra memory of one step (besides the output): the probabilities of the decoded rows (one
+[n, V] tensor in the score dtype), a gathered copy of the scores when a group is not the whole
+batch (the same size), O(n W) float64 candidate arrays, O(n K^2) float64 Newton arrays for the
+iterative families (K = window <= 64) and, for uncertified rows, the exact path's chunks
+(`exact.MEMORY_BUDGET`). `step_memory_bound` gives the bound in bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from .candidates import Candidates, candidates
+from .exact import MEMORY_BUDGET, _keep_all, decode_exact, exact_plan
+from .families import CLOSED_GAP_FAMILIES, ITERATIVE_FAMILIES, Family
+from .plan import WINDOW, Group, Plan
+from .window import Decoded, closed_map, closed_search, iterative_fixed, iterative_search
+
+Tensor = torch.Tensor
+
+
+class _Result(NamedTuple):
+    out: Tensor  # [n, V] the group's decoded rows
+    k: Tensor  # [n]
+    needs: Tensor | None  # [n] rows to decode again with the exact path (None: none can)
+    p: Tensor | None  # [n, V] probabilities, kept for the exact path
+
+
+def decode_step(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = False
+                ) -> tuple[Tensor, Tensor]:
+    """Decode the rows of ``scores`` ([N, V] logits, or probabilities with ``logits=False``)
+    that the plan's groups name. Returns (decoded [N, V], k [N]); rows outside every group are
+    left as they are (and get k = 0). With ``inplace`` the result is written into ``scores``.
+    """
+    results = [(_decode_group(scores, group, logits, inplace), group) for group in plan.groups]
+    # The step's only host sync: whether any row needs the exact path.
+    flags = [result.needs.any() for result, _ in results if result.needs is not None]
+    if flags and bool(torch.stack(flags).any() if len(flags) > 1 else flags[0]):
+        results = [(_redo_uncertified(result, group, logits), group)
+                   for result, group in results]
+    if len(results) == 1 and results[0][1].rows is None:
+        return results[0][0].out, results[0][0].k  # (``scores`` itself when inplace)
+    out = scores if inplace else scores.clone()
+    k = torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device)
+    for result, group in results:
+        rows = group.rows_or_all(scores.device)
+        out.index_copy_(0, rows, result.out)
+        k.index_copy_(0, rows, result.k)
+    return out, k
+
+
+def _decode_group(scores: Tensor, group: Group, logits: bool, inplace: bool) -> _Result:
+    rows = scores if group.rows is None else scores.index_select(0, group.rows)
+    writable = inplace or group.rows is not None  # a gathered copy is ours to overwrite
+    if group.family == Family.KEEP_ALL:
+        out, k = _keep_all_logits(rows) if logits else _keep_all(rows)
+        if writable and out is not rows:
+            out = rows.copy_(out)
+        return _Result(out, k, None, None)
+    p = torch.softmax(rows, -1) if logits else rows.clamp_min(0.0)
+    if group.family == Family.EXACT:
+        result = _exact_rows(rows, p, group, logits)
+        if writable:
+            rows.copy_(result.out)
+            result = result._replace(out=rows)
+        return result
+    out, k, needs = _fast(rows, p, _Static.of(group), group.alpha, group.lam, group.size,
+                          logits, writable)
+    return _Result(out, k, needs, p)
+
+
+@dataclass(frozen=True)
+class _Static:
+    """What a group's fixed-shape computation is specialized on (all host values)."""
+
+    family: Family
+    fixed: bool
+    capped: bool
+    bounded: bool
+    width: int
+    window: int
+    iterations: int
+    below_two: bool
+    above_two: bool
+
+    @classmethod
+    def of(cls, group: Group) -> _Static:
+        return cls(group.family, group.fixed, group.capped, group.bounded, group.width,
+                   group.window, group.iterations, group.below_two, group.above_two)
+
+
+def fixed_shape_group(rows: Tensor, p: Tensor, static: _Static, alpha, lam, size,
+                      logits: bool, writable: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Steps 2-4 of the module docstring for one group: a fixed sequence of ops on fixed
+    shapes, no host sync. Returns (decoded rows, k, rows needing the exact path or None)."""
+    cand = candidates(p, static.width)
+    valid = (cand.total > 0) if logits else (cand.total > 0) & (cand.total < math.inf)
+    decoded = _support_and_map(cand, static, alpha, lam, size)
+    index = cand.index[:, : decoded.log_q.shape[-1]]
+    values = decoded.log_q if logits else torch.exp(decoded.log_q)
+    # Rows that are not distributions get their own values back.
+    values = torch.where(valid.unsqueeze(-1), values.to(rows.dtype), torch.gather(rows, 1, index))
+    fill = -math.inf if logits else 0.0
+    out = rows.masked_fill_(valid.unsqueeze(-1), fill) if writable else \
+        rows.masked_fill(valid.unsqueeze(-1), fill)
+    out.scatter_(1, index, values)
+    needs = None if decoded.uncertain is None else decoded.uncertain & valid
+    return out, decoded.k * valid, needs
+
+
+def _support_and_map(cand: Candidates, static: _Static, alpha, lam, size) -> Decoded:
+    family = static.family
+    if static.fixed:
+        k = torch.minimum(cand.known, size) if isinstance(size, Tensor) \
+            else cand.known.clamp_max(size)
+        if family in ITERATIVE_FAMILIES:
+            return iterative_fixed(family, cand, alpha, k, static.width, static.iterations,
+                                   static.below_two, static.above_two)
+        return Decoded(k, closed_map(family, cand, k, static.width), None)
+    if not static.capped:
+        limit = cand.known
+    elif isinstance(size, Tensor):
+        limit = torch.minimum(cand.known, size)
+    else:
+        limit = cand.known.clamp_max(size)
+    if family in CLOSED_GAP_FAMILIES:
+        return closed_search(family, cand, lam, limit, static.window, static.bounded)
+    return iterative_search(family, cand, alpha, lam, limit, static.window, static.iterations,
+                            static.bounded, static.below_two, static.above_two)
+
+
+# ----------------------------------------------------------------------------- compilation
+
+_COMPILED: dict[str, object] = {}
+
+
+def compile_enabled(device: torch.device) -> bool:
+    """``BREGMAN_COMPILE``: "1" compiles the fixed-shape groups with torch.compile (fullgraph)
+    everywhere, "0" never, "auto" (the default) on CUDA only."""
+    setting = os.environ.get("BREGMAN_COMPILE", "auto").strip().lower()
+    if setting in ("1", "true", "yes", "on"):
+        return True
+    if setting in ("0", "false", "no", "off"):
+        return False
+    return device.type == "cuda"
+
+
+def _fast(rows: Tensor, p: Tensor, static: _Static, alpha, lam, size, logits: bool,
+          writable: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    if not compile_enabled(rows.device):
+        return fixed_shape_group(rows, p, static, alpha, lam, size, logits, writable)
+    compiled = _COMPILED.get("group")
+    if compiled is None:
+        import torch._dynamo
+
+        # One compiled graph per family and shape class; the default limit of 8 is too few
+        # for a server that sees every family.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        compiled = _COMPILED["group"] = torch.compile(fixed_shape_group, fullgraph=True)
+    return compiled(rows, p, static, alpha, lam, size, logits, writable)
+
+
+# ----------------------------------------------------------------------------- exact path
+
+
+def _exact_inputs(group: Group, device: torch.device, rows: Tensor | None = None):
+    def per_row(name: str, dtype: torch.dtype) -> Tensor:
+        values = torch.tensor(group.host[name], dtype=dtype, device=device)
+        if values.numel() == 1:  # shared by the whole group
+            values = values.expand(group.count)
+        return values if rows is None else values[rows]
+
+    alpha = per_row("alpha", torch.float64)
+    lam = per_row("lam", torch.float64)
+    size = per_row("size", torch.long)
+    cap = per_row("cap", torch.long)
+    fixed = size if group.fixed else torch.zeros_like(size)
+    return exact_plan(group.mode, alpha, lam, fixed, cap, group.generator)
+
+
+def _writer(logits: bool, dtype: torch.dtype):
+    if logits:
+        return lambda log_q: log_q.to(dtype)
+    return lambda log_q: torch.exp(log_q).to(dtype)
+
+
+def _exact_rows(rows: Tensor, p: Tensor, group: Group, logits: bool) -> _Result:
+    """EXACT-family rows: the whole group through the exact path."""
+    out, k = _filled(rows, p, logits)
+    decode_exact(out, k, p, _exact_inputs(group, rows.device), _writer(logits, rows.dtype))
+    return _Result(out, k, None, None)
+
+
+def _filled(rows: Tensor, p: Tensor, logits: bool) -> tuple[Tensor, Tensor]:
+    """Output rows pre-filled off the support; rows that are not distributions kept as given."""
+    total = p.sum(-1, dtype=torch.float64)
+    valid = (total > 0) & (total < math.inf)
+    out = torch.where(valid.unsqueeze(-1), -math.inf if logits else 0.0, rows)
+    return out, torch.zeros(rows.shape[0], dtype=torch.long, device=rows.device)
+
+
+def _redo_uncertified(result: _Result, group: Group, logits: bool) -> _Result:
+    """Decode the group's uncertified rows again with the exact path (after the sync)."""
+    if result.needs is None:
+        return result
+    redo = result.needs.nonzero().squeeze(-1)
+    if redo.numel() == 0:
+        return result
+    p = result.p[redo]
+    scores = result.out[redo]
+    out, k = _filled(scores, p, logits)
+    decode_exact(out, k, p, _exact_inputs(group, p.device, redo), _writer(logits, out.dtype))
+    result.out.index_copy_(0, redo, out)
+    result.k.index_copy_(0, redo, k)
+    return result
+
+
+# ----------------------------------------------------------------------------- keep all
+
+
+def _keep_all_logits(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """lambda = 0 without a cap: the whole support, renormalized (log_softmax); rows that are
+    not distributions come back unchanged with k = 0."""
+    total = torch.logsumexp(rows, -1, keepdim=True)
+    usable = torch.isfinite(total)
+    out = torch.where(usable, rows - total, rows)
+    # Count the entries whose probability is nonzero in the score dtype (as a softmax gives).
+    support = torch.where(usable.squeeze(-1), torch.softmax(rows, -1).sign().sum(-1), 0.0)
+    return out, support.long()
+
+
+def step_memory_bound(batch: int, vocab: int, dtype: torch.dtype = torch.float32,
+                      window: int = WINDOW) -> int:
+    """Upper bound, in bytes, of the extra memory one `decode_step` allocates for ``batch``
+    rows of ``vocab`` scores (any parameters; the output itself not counted)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    full = 3 * batch * vocab * item  # probabilities, a gathered copy, the group's output rows
+    candidate = batch * (window * 64 * item + 16 * window * 8)  # gathered blocks, [n, W] arrays
+    newton = batch * 8 * window * window * 8  # float64 [n, K, K] arrays alive at once
+    return full + candidate + newton + MEMORY_BUDGET

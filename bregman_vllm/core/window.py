@@ -1,0 +1,321 @@
+"""The fixed-shape k* search: every support size of a window at once, then one selection.
+
+For the candidates x_1 >= ... >= x_W of a row (normalized, `candidates`), the search evaluates
+the cost gap G(k) = cost(k) - cost(k + 1) + lambda for every k = 1 .. K - 1 of the window and
+takes
+
+    k* = min { k : G(k) <= lambda  or  k = limit }       (limit = min(k_max, #positive entries)),
+
+which is the global minimizer of cost(k) because cost is discretely convex (Theorem 3.3 of arXiv
+2505.19371; ties go to the smaller support). There is no value-dependent control flow: the
+window is a fixed shape, and the iterative families run a fixed number of Newton steps. Each
+function returns, with k* and log T_k*, whether the row is *certified*:
+
+* the window held k* (k* < K, or the row's limit is inside the window);
+* iterative families: every size up to the limit converged (|sum q - 1| <= `TOLERANCE`), and the
+  two decisive comparisons, G(k* - 1) > lambda and G(k*) <= lambda, hold with a margin larger
+  than the rounding bound of the formula that computed G.
+
+An uncertified row is decoded again by the exact path (`exact`), so certification trades speed,
+never exactness.
+
+Gap formulas. Closed forms (`gaps`) for alpha = 1 (primal), 3/2 (primal) and 2. For the
+iterative families, G(k) = [H(k) - H(k + 1)] / (alpha (alpha - 1)) with one scalar H per size,
+
+    primal (q_i^b = p_i^b + w_k, b = alpha - 1):   H(k) = alpha w_k - (alpha - 1) sum_i q_i^alpha
+    dual   (q_i^b - p_i q_i^(b-1) = nu_k):         H(k) = alpha nu_k - sum_i q_i^alpha
+
+over the support of T_k. Both follow from substituting the maps of eqs. (5) and (7) into
+cost(k) = D(T_k(p), p) + lambda k (resp. D(p, T*_k(p)) + lambda k, eq. (8)); the primal one is
+stationary in w at the solution, so a Newton residual enters it only to second order.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .candidates import Candidates, _arange
+from .families import Family
+from .gaps import closed_form_gaps
+from .primal import (
+    argmax_fill_log_renorm,
+    kl_log_renorm,
+    square_log_renorm,
+    three_halves_log_renorm,
+    water_filling_log_renorm,
+)
+
+Tensor = torch.Tensor
+Scalar = float | Tensor  # a Python number, or one value per row ([n])
+
+#: |sum_i q_i - 1| below which a Newton solution is accepted (a few hundred ulps).
+TOLERANCE = 1e-13
+#: Relative rounding bound of H(k) - H(k + 1); a closer call is left to the exact path.
+MARGIN = 1e-12
+
+
+class Decoded(NamedTuple):
+    """k* per row, log T_k* on the first W' candidates (-inf past k*), and which rows are not
+    certified (None: every row is certified by construction)."""
+
+    k: Tensor
+    log_q: Tensor
+    uncertain: Tensor | None
+
+
+def column(value: Scalar, dims: int = 1) -> Scalar:
+    """A per-row value shaped to broadcast against [n, *dims]; numbers pass through."""
+    if isinstance(value, Tensor):
+        return value.view(-1, *([1] * dims))
+    return value
+
+
+# ----------------------------------------------------------------------------- selection
+
+
+def first_stop(stop: Tensor, window: int) -> Tensor:
+    """The first k in 1 .. window - 1 whose ``stop`` ([n, window - 1]) holds, else window."""
+    if window == 1:
+        return torch.ones(stop.shape[0], dtype=torch.long, device=stop.device)
+    sizes = _arange(window + 1, stop.device)[1:window]
+    return sizes.masked_fill(~stop, window).amin(-1)
+
+
+def support_log(q: Tensor) -> Tensor:
+    """log of ``q`` ([n, W'], zero past the support) renormalized to sum 1: removes the last
+    rounding of a solved map; -inf past the support."""
+    return torch.log(q / q.sum(-1, keepdim=True))
+
+
+def _beyond_window(k: Tensor, limit: Tensor, window: int) -> Tensor:
+    """k* ran into the end of the window and the row could grow past it."""
+    return (k >= window) & (limit > window)
+
+
+# ----------------------------------------------------------------------------- closed forms
+
+
+def closed_gaps(family: Family, x: Tensor, deficit: Tensor) -> Tensor:
+    """G(1 .. W - 1) in closed form (`gaps`) for the candidates of a window of W sizes
+    (``deficit[:, j]`` = R_(j+1))."""
+    if family != Family.KL:  # the gap formulas index R_j from j = 0 (R_0 = 1)
+        deficit = torch.nn.functional.pad(deficit, (1, 0), value=1.0)
+    return closed_form_gaps(family, x, deficit)
+
+
+def closed_map(family: Family, cand: Candidates, k: Tensor, width: int) -> Tensor:
+    """log T_k on the first ``width`` candidates for the closed-form families: the maps of
+    `primal` (eq. (1) and Proposition 1), applied to the candidates."""
+    log_x = torch.log(cand.x[:, :width])
+    inside = _arange(width, log_x.device) < k.unsqueeze(-1)
+    log_deficit = torch.log(torch.gather(cand.deficit, 1, (k - 1).unsqueeze(-1)).squeeze(-1))
+    if family == Family.KL:
+        return kl_log_renorm(log_x, inside)
+    if family == Family.SQUARE:
+        return square_log_renorm(log_x, inside, log_deficit, k)
+    if family == Family.THREE_HALVES:
+        return three_halves_log_renorm(log_x, inside, log_deficit, k)
+    if family == Family.WATER:
+        return water_filling_log_renorm(log_x, inside, log_deficit)
+    return argmax_fill_log_renorm(log_x, inside, log_deficit)
+
+
+def closed_search(family: Family, cand: Candidates, lam: Scalar, limit: Tensor, window: int,
+                  bounded: bool) -> Decoded:
+    """Adaptive k* for a closed-form family over sizes 1 .. window."""
+    x, deficit = cand.x[:, :window], cand.deficit[:, :window]
+    gaps = closed_gaps(family, x, deficit)
+    sizes = _arange(window + 1, x.device)[1:window]
+    stop = (gaps <= column(lam)) | (sizes >= limit.unsqueeze(-1))
+    k = first_stop(stop, window)
+    uncertain = None if bounded else _beyond_window(k, limit, window)
+    return Decoded(k, closed_map(family, cand, k, window), uncertain)
+
+
+# ----------------------------------------------------------------------------- iterative
+
+
+class Solved(NamedTuple):
+    """T_k for several sizes per row: ``q`` [n, m, W'] (T_k times a positive factor per row,
+    zero past each support), ``h`` [n, m] = H(k) in the same units, the Newton residual
+    sum q - 1 [n, m], and ``factor``: G(k) <= lambda  <=>  h(k) - h(k+1) <= lambda * factor."""
+
+    q: Tensor
+    h: Tensor
+    residual: Tensor
+    factor: Tensor | float
+
+
+def _nonzero(x: Tensor) -> Tensor:
+    """``x`` with zero entries replaced by 1. Zeros only sit inside supports past the row's
+    limit (never used); 1 keeps the Newton arrays finite there."""
+    return x.masked_fill(x <= 0, 1.0)
+
+
+def _masked_sum(values: Tensor, mask: Tensor) -> Tensor:
+    """sum_i mask[k, i] values[n, k, i] -> [n, k] (the support of each size)."""
+    return (values * mask).sum(-1)
+
+
+def power_solve(x: Tensor, deficit: Tensor, sizes: Tensor, mask: Tensor, alpha: Scalar,
+                iterations: int, any_below_two: bool, any_above_two: bool) -> Solved:
+    """Primal T_k for alpha in `families.POWER_RANGE`: q_i = (p_i^b + w)^(1/b), b = alpha - 1
+    (eq. (5) with phi_alpha, Definition 5), sum_i q_i = 1.
+
+    In units of the largest entry (r_i = x_i / x_1, v = w / x_1^b, s_i = q_i / x_1) the
+    constraint is F(v) = sum_i (r_i^b + v)^(1/b) - 1 / x_1 = 0. F is concave in v for b >= 1 and
+    convex for b < 1; the start v_0 = (R / (k x_1))^b lies on the side from which Newton is
+    monotone (the level c >= R/k for b >= 1, c <= R/k for b < 1), and for b < 1 the KL start
+    (q_1 = p_1 / S, also right of the root) is used when smaller. No safeguard is needed.
+
+    ``deficit`` [n, m] is R_k, ``sizes`` [.., m] the sizes k (float), ``mask`` [.., m, W'] the
+    supports. H(k) / x_1^alpha = alpha v / x_1 - (alpha - 1) sum_i s_i^alpha, s_i^alpha = s_i a_i.
+    """
+    b = alpha - 1.0
+    inv_x1 = torch.reciprocal(x[:, :1])
+    powers = (_nonzero(x) * inv_x1).pow(column(b)).unsqueeze(1)  # [n, 1, W']
+    v = (deficit * inv_x1 / sizes).pow(column(b))
+    if any_below_two:  # the KL start, v = (1 / S_k)^b - 1
+        kl = torch.expm1(torch.log1p(-deficit) * column(-b))
+        v = torch.minimum(v, kl) if not any_above_two else \
+            torch.where(column(b) < 1.0, torch.minimum(v, kl), v)
+    exponent = column(1.0 / b, 2)
+    negative_b = column(-b) if isinstance(b, Tensor) else -b
+    for _ in range(iterations):
+        a = powers + v.unsqueeze(-1)
+        s = a.pow(exponent) * mask
+        residual = s.sum(-1) - inv_x1
+        slope = (s / a).sum(-1)  # b dF/dv
+        if isinstance(b, Tensor):
+            v = torch.addcdiv(v, residual * negative_b, slope)
+        else:
+            v = torch.addcdiv(v, residual, slope, value=negative_b)
+    a = powers + v.unsqueeze(-1)
+    s = a.pow(exponent) * mask
+    residual = (s.sum(-1) - inv_x1) * x[:, :1]
+    power_sums = (s * a).sum(-1) * negative_b
+    if isinstance(alpha, Tensor):
+        h = torch.addcmul(power_sums, v, inv_x1 * column(alpha))
+    else:
+        h = torch.addcmul(power_sums, v, inv_x1, value=alpha)
+    # G = x_1^alpha (h(k) - h(k+1)) / (alpha (alpha - 1)).
+    factor = inv_x1.squeeze(-1).pow(alpha) * (alpha * b)
+    return Solved(s, h, residual, factor)
+
+
+def dual_quadratic_solve(x: Tensor, deficit: Tensor, sizes: Tensor, mask: Tensor, alpha: float,
+                         iterations: int) -> Solved:
+    """Dual T*_k for alpha in {3/2, 3}, where the inner equation of eq. (7),
+    q^(alpha-2) (q - p) = nu, is a quadratic (Algorithm 1 needs no inner loop):
+
+        alpha = 3/2:  sqrt(q) = (nu + sqrt(nu^2 + 4 p)) / 2   (F convex in nu)
+        alpha = 3:    q = (p + sqrt(p^2 + 4 nu)) / 2          (F concave in nu)
+
+    Newton on F(nu) = sum_i q_i(nu) - 1 from a start on the side that makes it monotone:
+    alpha = 3/2 from nu = R / sum_i (p_i + R/k)^(1/2) (the alpha = 2 solution; F is convex, so
+    every start converges monotonically after the first step), alpha = 3 from the lower bound
+    nu >= max((R/k)^2, R / sum_i 1/p_i) (q_i <= 1 and q_i >= p_i in eq. (7)).
+    H(k) = alpha nu - sum_i q_i^alpha.
+    """
+    xs = _nonzero(x).unsqueeze(1)  # [n, 1, W']
+    if alpha == 1.5:
+        four_p = 4.0 * xs
+        nu = deficit / _masked_sum(torch.sqrt(xs + (deficit / sizes).unsqueeze(-1)), mask)
+        for _ in range(iterations):
+            root = torch.sqrt(four_p + (nu * nu).unsqueeze(-1))
+            h = (nu.unsqueeze(-1) + root) * mask  # 2 sqrt(q) on the support
+            q4 = h * h  # 4 q
+            # dF/dnu = sum_i 2 q_i / root_i
+            nu = torch.addcdiv(nu, q4.sum(-1) - 4.0, (q4 / root).sum(-1), value=-0.5)
+        root = torch.sqrt(four_p + (nu * nu).unsqueeze(-1))
+        h = (nu.unsqueeze(-1) + root) * mask
+        q4 = h * h
+        residual = q4.sum(-1) * 0.25 - 1.0
+        # q^(3/2) = (h / 2)^3 = q4 h / 8
+        return Solved(q4, torch.add(nu, (q4 * h).sum(-1), alpha=-1.0 / 12.0), residual, 0.5)
+    square = xs * xs
+    inverse_sums = torch.cumsum(torch.reciprocal(x), -1)
+    if sizes.dim() == 1:  # every size of the window
+        inverse_sums = inverse_sums[:, : sizes.shape[0]]
+    else:
+        inverse_sums = torch.gather(inverse_sums, 1, sizes.long() - 1)
+    nu = torch.maximum((deficit / sizes) ** 2, deficit / inverse_sums)
+    for _ in range(iterations):
+        root = torch.sqrt(square + 4.0 * nu.unsqueeze(-1))
+        q2 = (xs + root) * mask  # 2 q
+        # dF/dnu = sum_i 1 / root_i
+        nu = torch.addcdiv(nu, q2.sum(-1) - 2.0, _masked_sum(torch.reciprocal(root), mask),
+                           value=-0.5)
+    root = torch.sqrt(square + 4.0 * nu.unsqueeze(-1))
+    q2 = (xs + root) * mask
+    residual = q2.sum(-1) * 0.5 - 1.0
+    return Solved(q2, torch.add(nu, (q2**3).sum(-1), alpha=-1.0 / 24.0), residual, 2.0)
+
+
+def _solve(family: Family, cand: Candidates, deficit: Tensor, sizes: Tensor, mask: Tensor,
+           alpha: Scalar, iterations: int, width: int, below_two: bool, above_two: bool
+           ) -> Solved:
+    x = cand.x[:, :width]
+    if family == Family.POWER:
+        return power_solve(x, deficit, sizes, mask, alpha, iterations, below_two, above_two)
+    return dual_quadratic_solve(x, deficit, sizes, mask,
+                                1.5 if family == Family.DUAL_THREE_HALVES else 3.0, iterations)
+
+
+def iterative_search(family: Family, cand: Candidates, alpha: Scalar, lam: Scalar,
+                     limit: Tensor, window: int, iterations: int, bounded: bool,
+                     below_two: bool = False, above_two: bool = True) -> Decoded:
+    """Adaptive k* for POWER and the dual quadratic families: T_k for k = 1 .. window at
+    once, the gaps from H, and the certificate (convergence up to the limit, decisions clear
+    of the rounding bound of H differences)."""
+    device = cand.x.device
+    sizes = _arange(window + 1, device, torch.float64)[1:]
+    mask = _triangle(window, device)
+    solved = _solve(family, cand, cand.deficit[:, :window], sizes, mask, alpha, iterations,
+                    window, below_two, above_two)
+    h = solved.h
+    drop = h[:, :-1] - h[:, 1:]
+    threshold = column(lam) * column(solved.factor)
+    count = _arange(window + 1, device)[1:]
+    below = count[:-1] < limit.unsqueeze(-1)  # sizes whose gap may decide k*
+    stop = (drop <= threshold) | ~below
+    k = first_stop(stop, window)
+    # Not certified: a size up to the limit did not converge, or a comparison of a size below
+    # the limit is within the rounding bound of h(k) - h(k+1).
+    magnitude = h.abs()
+    rounding = (magnitude[:, :-1] + magnitude[:, 1:]) * MARGIN
+    close = ((drop - threshold).abs() <= rounding) & below
+    unconverged = (solved.residual.abs() > TOLERANCE) & (count <= limit.unsqueeze(-1))
+    uncertain = close.any(-1) | unconverged.any(-1)
+    if not bounded:
+        uncertain |= _beyond_window(k, limit, window)
+    pick = (k - 1).view(-1, 1, 1).expand(-1, 1, window)
+    q = torch.gather(solved.q, 1, pick).squeeze(1)
+    return Decoded(k, support_log(q), uncertain)
+
+
+def iterative_fixed(family: Family, cand: Candidates, alpha: Scalar, k: Tensor, width: int,
+                    iterations: int, below_two: bool = False, above_two: bool = True
+                    ) -> Decoded:
+    """T_k for a fixed size per row (generalized top-k, Definition 2)."""
+    at = (k - 1).unsqueeze(-1)
+    deficit = torch.gather(cand.deficit, 1, at)  # [n, 1]
+    sizes = k.unsqueeze(-1).to(torch.float64)
+    mask = (_arange(width, k.device) < k.view(-1, 1, 1)).to(torch.float64)
+    solved = _solve(family, cand, deficit, sizes, mask, alpha, iterations, width, below_two,
+                    above_two)
+    uncertain = solved.residual.squeeze(-1).abs() > TOLERANCE
+    return Decoded(k, support_log(solved.q.squeeze(1)), uncertain)
+
+
+_TRIANGLES: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def _triangle(window: int, device: torch.device) -> Tensor:
+    """[window, window] float64 mask: row k - 1 keeps the first k entries (made once)."""
+    key = (window, torch.device(device))
+    if key not in _TRIANGLES:
+        _TRIANGLES[key] = torch.ones(window, window, dtype=torch.float64, device=device).tril()
+    return _TRIANGLES[key]
