@@ -21,6 +21,8 @@ Tensor = torch.Tensor
 
 #: Block length of the two-stage top-k.
 BLOCK = 64
+#: Widths up to which the deficits are one matrix product (the matrix is width^2 float64).
+_MATMUL_WIDTH = 128
 #: A support-size bound meaning "not known from the candidates" (all candidates are positive and
 #: some mass lies outside them).
 UNBOUNDED = 2**62
@@ -80,9 +82,13 @@ def candidates(p: Tensor, width: int) -> Candidates:
     total = x.sum(-1) + rest
     x = x / total.unsqueeze(-1)
     tail = rest / total
-    # R_k = tail + sum_{i > k} x_i: a sum of positive terms (no cancellation near S_k = 1), as
-    # one product with a strictly lower-triangular matrix of ones.
-    deficit = torch.addmm(tail.unsqueeze(-1), x, _strictly_lower(x.shape[-1], x.device))
+    # R_k = tail + sum_{i > k} x_i: a sum of positive terms (no cancellation near S_k = 1); for
+    # the usual widths one product with a strictly lower-triangular matrix of ones.
+    if x.shape[-1] <= _MATMUL_WIDTH:
+        deficit = torch.addmm(tail.unsqueeze(-1), x, _strictly_lower(x.shape[-1], x.device))
+    else:
+        suffix = x.flip(-1).cumsum(-1).flip(-1)
+        deficit = torch.nn.functional.pad(suffix[:, 1:], (0, 1)) + tail.unsqueeze(-1)
     # The candidates hold every positive entry unless all are positive and mass lies outside.
     incomplete = (x[:, -1] > 0) & (tail > 0)
     known = (x > 0).sum(-1).masked_fill_(incomplete, UNBOUNDED)

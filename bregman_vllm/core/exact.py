@@ -50,7 +50,7 @@ _GROWTH = 8
 _FULL_SORT_FRACTION = 4
 #: Bytes of float64 work arrays one chunk of a whole-row round may hold (about 8 per entry).
 MEMORY_BUDGET = 256 * 1024 * 1024
-_BYTES_PER_ENTRY = 64  # float64 work arrays of a round over whole rows, per entry (measured)
+_BYTES_PER_ENTRY = 320  # peak of a whole-row round, per entry (measured: 266 for dual 3/2, k* = V)
 
 
 class ExactPlan(NamedTuple):

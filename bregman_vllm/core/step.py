@@ -17,11 +17,12 @@ is uncertified, those rows are decoded again by the exact path (`exact`, value-d
 whose every row is certified by construction (closed-form or fixed-k families whose k_max fits
 the window) never sync. Everything before the sync is a fixed sequence of ops on fixed shapes.
 
-Extra memory of one step (besides the output): the probabilities of the decoded rows (one
-[n, V] tensor in the score dtype), a gathered copy of the scores when a group is not the whole
-batch (the same size), O(n W) float64 candidate arrays, O(n K^2) float64 Newton arrays for the
-iterative families (K = window <= 64) and, for uncertified rows, the exact path's chunks
-(`exact.MEMORY_BUDGET`). `step_memory_bound` gives the bound in bytes.
+Extra memory of one step (besides the output) is bounded for any parameters: the
+probabilities of the decoded rows (one [n, V] tensor in the score dtype), a gathered copy of the
+scores when a group is not the whole batch, O(n W) float64 candidate arrays, O(n K^2) float64
+Newton arrays for the iterative families (K = window <= 64), and row chunks of at most
+`exact.MEMORY_BUDGET` bytes for fixed-k groups wider than the window and for the exact path.
+No float64 [n, V] array is ever made. `step_memory_bound` gives the bound in bytes.
 """
 
 from __future__ import annotations
@@ -87,9 +88,27 @@ def _decode_group(scores: Tensor, group: Group, logits: bool, inplace: bool) -> 
             rows.copy_(result.out)
             result = result._replace(out=rows)
         return result
-    out, k, needs = _fast(rows, p, _Static.of(group), group.alpha, group.lam, group.size,
-                          logits, writable)
+    static = _Static.of(group)
+    chunk = max(1, MEMORY_BUDGET // (static.width * _WIDE_BYTES_PER_ENTRY))
+    if rows.shape[0] <= chunk:
+        out, k, needs = _fast(rows, p, static, group.alpha, group.lam, group.size, logits,
+                              writable)
+        return _Result(out, k, needs, p)
+    # A wide fixed top-k: rows in chunks, so its [rows, width] float64 arrays stay bounded.
+    out = rows if writable else rows.clone()
+    parts = []
+    for start in range(0, rows.shape[0], chunk):
+        piece = slice(start, start + chunk)
+        parts.append(_fast(out[piece], p[piece], static, _rows_of(group.alpha, piece),
+                           _rows_of(group.lam, piece), _rows_of(group.size, piece), logits,
+                           True))
+    k = torch.cat([part[1] for part in parts])
+    needs = None if parts[0][2] is None else torch.cat([part[2] for part in parts])
     return _Result(out, k, needs, p)
+
+
+def _rows_of(value, piece: slice):
+    return value[piece] if isinstance(value, Tensor) else value
 
 
 @dataclass(frozen=True)
@@ -252,12 +271,24 @@ def _keep_all_logits(rows: Tensor) -> tuple[Tensor, Tensor]:
     return out, support.long()
 
 
+#: Peak bytes per (row, candidate) of a fixed-k group (measured: 59 for dual 3/2, k = 20000).
+_WIDE_BYTES_PER_ENTRY = 96
+
+
 def step_memory_bound(batch: int, vocab: int, dtype: torch.dtype = torch.float32,
                       window: int = WINDOW) -> int:
     """Upper bound, in bytes, of the extra memory one `decode_step` allocates for ``batch``
-    rows of ``vocab`` scores (any parameters; the output itself not counted)."""
+    rows of ``vocab`` scores, whatever the parameters (the output itself not counted):
+
+    * three [batch, vocab] tensors of the score dtype: the probabilities, a gathered copy of
+      a group's rows and its decoded rows (the output of the public API);
+    * per row, the candidate arrays of the window (the W * BLOCK gathered entries and a few
+      float64 [W] arrays) and the iterative families' float64 [K, K] Newton arrays (K <= W);
+    * `exact.MEMORY_BUDGET` for what runs in row chunks: the exact path (uncertified rows) and
+      fixed-k groups wider than the window. The two never run at the same time.
+    """
     item = torch.empty((), dtype=dtype).element_size()
-    full = 3 * batch * vocab * item  # probabilities, a gathered copy, the group's output rows
-    candidate = batch * (window * 64 * item + 16 * window * 8)  # gathered blocks, [n, W] arrays
-    newton = batch * 8 * window * window * 8  # float64 [n, K, K] arrays alive at once
+    full = 3 * batch * vocab * item
+    candidate = batch * (window * 64 * item + 16 * window * 8)
+    newton = batch * 8 * window * window * 8
     return full + candidate + newton + MEMORY_BUDGET

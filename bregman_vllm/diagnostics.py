@@ -1,0 +1,135 @@
+"""GPU readiness, measured on any device: host syncs, launched ops and peak extra memory.
+
+A decoding step that runs on a GPU should launch few kernels and never wait for the device. Both
+can be counted on the CPU by watching the ATen ops a call dispatches
+(`torch.utils._python_dispatch.TorchDispatchMode`):
+
+* **syncs**: ops whose result the host needs before it can go on (``.item()``, ``bool()`` and
+  ``int()`` of a tensor, ``nonzero``, ``unique``, ``masked_select``, indexing with a boolean mask,
+  ``repeat_interleave`` without an output size, ``.tolist()``), tensors made from host data
+  (``torch.tensor([...])``) and copies between the host and a device;
+* **launches**: every op that is not a view (on a GPU each one is at least one kernel launch);
+* **peak extra memory**: the largest number of bytes held at once by tensors the call created.
+
+Example:
+    >>> import torch
+    >>> from bregman_vllm import bregman_decode_logits
+    >>> logits = torch.randn(8, 1000)
+    >>> with DispatchCounter() as counter:
+    ...     _ = bregman_decode_logits(logits, alpha=1.5, lam=0.01, k_max=50)
+    >>> counter.syncs
+    0
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: ATen ops that need a value on the host, or make a tensor from host data.
+SYNC_OPS = frozenset({
+    "aten::_local_scalar_dense", "aten::nonzero", "aten::nonzero_numpy", "aten::unique",
+    "aten::_unique", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
+    "aten::masked_select", "aten::lift_fresh", "aten::is_nonzero", "aten::equal",
+    "aten::item",
+})
+#: Ops that are bookkeeping, not kernels.
+_NOT_LAUNCHES = frozenset({"aten::detach", "aten::alias", "aten::lift_fresh",
+                           "aten::_local_scalar_dense", "aten::empty", "aten::empty_strided"})
+
+
+def _qualified(func: Any) -> str:
+    return func.overloadpacket._qualified_op_name
+
+
+def _is_sync(name: str, args: tuple, kwargs: dict) -> bool:
+    if name in SYNC_OPS:
+        return True
+    if name in ("aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"):
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(isinstance(t, torch.Tensor) and t.dtype == torch.bool
+                   for t in indices if t is not None)
+    if name == "aten::repeat_interleave":
+        return "output_size" not in kwargs or kwargs["output_size"] is None
+    if name in ("aten::_to_copy", "aten::copy_", "aten::to"):
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        devices = {t.device.type for t in tensors}
+        target = kwargs.get("device")
+        if target is not None:
+            devices.add(torch.device(target).type)
+        return len(devices) > 1  # host <-> device
+    return False
+
+
+class DispatchCounter(TorchDispatchMode):
+    """Counts host syncs and launched (non-view) ops of everything run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sync_ops: collections.Counter[str] = collections.Counter()
+        self.launch_ops: collections.Counter[str] = collections.Counter()
+
+    @property
+    def syncs(self) -> int:
+        return sum(self.sync_ops.values())
+
+    @property
+    def launches(self) -> int:
+        return sum(self.launch_ops.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _qualified(func)
+        if _is_sync(name, args, kwargs):
+            self.sync_ops[name] += 1
+        if not func.is_view and name not in _NOT_LAUNCHES:
+            self.launch_ops[name] += 1
+        return func(*args, **kwargs)
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Peak bytes held at once by tensors created inside it (outputs of ops, counted once per
+    storage, released when the storage is freed). Inputs that existed before are not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._seen or storage.nbytes() == 0:
+            return
+        self._seen.add(key)
+        size = storage.nbytes()
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._release, key, size)
+
+    def _release(self, key: int, size: int) -> None:
+        self._seen.discard(key)
+        self.live -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        before = {t.untyped_storage().data_ptr() for t in (*args, *kwargs.values())
+                  if isinstance(t, torch.Tensor)}
+        out = func(*args, **kwargs)
+        for tensor in _tensors(out):
+            if tensor.untyped_storage().data_ptr() not in before:
+                self._track(tensor)
+        return out
+
+
+def _tensors(value: Any):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
