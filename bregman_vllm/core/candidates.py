@@ -22,7 +22,7 @@ Tensor = torch.Tensor
 #: Block length of the two-stage top-k.
 BLOCK = 64
 #: Widths up to which the deficits are one matrix product (the matrix is width^2 float64).
-_MATMUL_WIDTH = 128
+_MATMUL_WIDTH = 256
 #: A support-size bound meaning "not known from the candidates" (all candidates are positive and
 #: some mass lies outside them).
 UNBOUNDED = 2**62

@@ -29,6 +29,19 @@ Tensor = torch.Tensor
 
 #: Candidates of the first (and usually only) window: k* up to WINDOW - 1 is certified there.
 WINDOW = 64
+#: The wider window of the closed-form families at small lambda (their cost is linear in it).
+WIDE_WINDOW = 256
+#: Below these lambdas a closed-form family's k* often passes 64 on peaked rows (standard top-k
+#: keeps every token with p_(k+1) > ~lambda S_k): it gets the wide window.
+_WIDE_BELOW = {Family.KL: 5e-3, Family.THREE_HALVES: 5e-4, Family.SQUARE: 1e-4}
+
+
+def _window(family: Family, smallest_lambda: float) -> int:
+    """Sizes searched at once: iterative families solve a [K, K] system per row, so their
+    window stays at `WINDOW`; closed-form families widen it when lambda is small."""
+    if smallest_lambda < _WIDE_BELOW.get(family, 0.0):
+        return WIDE_WINDOW
+    return WINDOW
 
 
 @dataclass(frozen=True)
@@ -293,7 +306,7 @@ def _group(family: Family, mode: str, fixed: bool, rows: Tensor | None, count: i
     else:
         cap_values = [c if c > 0 else UNBOUNDED for c in caps]
         largest = min(max(cap_values), vocab)  # no support is larger than the vocabulary
-        width = window = max(1, min(WINDOW, largest))
+        width = window = max(1, min(_window(family, min(lams)), largest))
         bounded = largest <= window
         sizes = cap_values
     iterations = newton_iterations(family, alphas) if family in ITERATIVE_FAMILIES else 0

@@ -37,7 +37,7 @@ import torch
 from .candidates import Candidates, candidates
 from .exact import MEMORY_BUDGET, _keep_all, decode_exact, exact_plan
 from .families import CLOSED_GAP_FAMILIES, ITERATIVE_FAMILIES, Family
-from .plan import WINDOW, Group, Plan
+from .plan import WIDE_WINDOW, WINDOW, Group, Plan
 from .window import Decoded, closed_map, closed_search, iterative_fixed, iterative_search
 
 Tensor = torch.Tensor
@@ -275,8 +275,7 @@ def _keep_all_logits(rows: Tensor) -> tuple[Tensor, Tensor]:
 _WIDE_BYTES_PER_ENTRY = 96
 
 
-def step_memory_bound(batch: int, vocab: int, dtype: torch.dtype = torch.float32,
-                      window: int = WINDOW) -> int:
+def step_memory_bound(batch: int, vocab: int, dtype: torch.dtype = torch.float32) -> int:
     """Upper bound, in bytes, of the extra memory one `decode_step` allocates for ``batch``
     rows of ``vocab`` scores, whatever the parameters (the output itself not counted):
 
@@ -289,6 +288,6 @@ def step_memory_bound(batch: int, vocab: int, dtype: torch.dtype = torch.float32
     """
     item = torch.empty((), dtype=dtype).element_size()
     full = 3 * batch * vocab * item
-    candidate = batch * (window * 64 * item + 16 * window * 8)
-    newton = batch * 8 * window * window * 8
+    candidate = batch * (WIDE_WINDOW * 64 * item + 16 * WIDE_WINDOW * 8)
+    newton = batch * 8 * WINDOW * WINDOW * 8
     return full + candidate + newton + MEMORY_BUDGET

@@ -1,0 +1,291 @@
+"""GPU readiness of the decoding step, measured on the CPU (issue 10's targets).
+
+A TorchDispatchMode (`bregman_vllm.diagnostics.DispatchCounter`) sees every ATen op a call
+dispatches: the host syncs it forces and the ops it launches (each non-view op is at least one
+kernel on a GPU). These are regression guards on counts, not timings:
+
+* one `bregman_decode_logits` call at [64, 32000] for the configurations of the issue: at most
+  one sync and at most 150 launched ops; no sync at all when every row's k_max fits the window
+  and the family has closed-form gaps, or for a fixed top-k;
+* the processor's `apply()` in steady state (no batch change), V1 and V2 interfaces, on a batch
+  mixing those configurations: at most one sync, no re-planning, no host-to-device copy;
+* the extra memory of a step stays under `step_memory_bound` for any parameters (the
+  `MemoryTracker` counts the bytes of the tensors the call creates);
+* rows the fixed-shape step cannot certify go through the exact path and agree with it.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate
+from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext
+
+from bregman_vllm import bregman_decode, bregman_decode_logits
+from bregman_vllm.adapter import BregmanLogitsProcessor, telemetry
+from bregman_vllm.adapter import processor as processor_module
+from bregman_vllm.core import step as step_module
+from bregman_vllm.core.exact import decode_exact, exact_plan
+from bregman_vllm.core.step import step_memory_bound
+from bregman_vllm.diagnostics import DispatchCounter, MemoryTracker
+
+BATCH, VOCAB = 64, 32000
+
+
+def realistic_logits(batch: int = BATCH, vocab: int = VOCAB, seed: int = 0,
+                     scale: tuple[float, float] = (3.0, 7.0)) -> torch.Tensor:
+    """Gaussian logits with a per-row scale: peaked rows like a language model's (the median
+    row keeps a few dozen tokens at 90% of the mass)."""
+    g = torch.Generator().manual_seed(seed)
+    low, high = scale
+    return torch.randn(batch, vocab, generator=g) * (low + (high - low) * torch.rand(
+        batch, 1, generator=g))
+
+
+CONFIGS = {
+    **{f"primal a={a} lam={lam}{' k_max=50' if cap else ''}": dict(
+        alpha=a, lam=lam, **({"k_max": 50} if cap else {}))
+       for a in (1.0, 1.5, 2.0, 3.0) for lam in (1e-3, 1e-2) for cap in (False, True)},
+    "dual a=1.5 lam=1e-2": dict(alpha=1.5, lam=1e-2, mode="dual"),
+    "dual a=1.5 lam=1e-3": dict(alpha=1.5, lam=1e-3, mode="dual"),
+    "dual a=1.5 lam=1e-2 k_max=50": dict(alpha=1.5, lam=1e-2, mode="dual", k_max=50),
+    "top_k=50 a=1.5": dict(alpha=1.5, lam=0.0, top_k=50),
+}
+
+
+@pytest.fixture(scope="module")
+def logits() -> torch.Tensor:
+    return realistic_logits()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_one_call_at_most_one_sync_and_150_launches(logits, name):
+    kwargs = CONFIGS[name]
+    bregman_decode_logits(logits, **kwargs)  # warm the constant caches
+    with DispatchCounter() as counter:
+        bregman_decode_logits(logits, **kwargs)
+    assert counter.syncs <= 1, dict(counter.sync_ops)
+    assert counter.launches <= 150, counter.launch_ops.most_common(8)
+    closed = kwargs.get("mode", "primal") == "primal" and kwargs["alpha"] in (1.0, 1.5, 2.0)
+    if "top_k" in kwargs or (closed and "k_max" in kwargs):
+        assert counter.syncs == 0, dict(counter.sync_ops)
+
+
+def test_exact_path_for_rows_past_the_window_agrees_with_it():
+    """Flat rows with a tiny lambda (k* in the hundreds) are not certified by the window: they
+    take the exact path after the step's one sync, and the result is the exact path's."""
+    g = torch.Generator().manual_seed(4)
+    flat = torch.randn(6, 3000, generator=g) * 0.3
+    for mode, alpha, lam in (("primal", 1.5, 1e-7), ("primal", 3.0, 1e-9), ("dual", 1.5, 1e-7)):
+        out, k = bregman_decode_logits(flat, alpha=alpha, lam=lam, mode=mode, return_k=True)
+        assert (k > 64).all()
+        p = torch.softmax(flat, -1)
+        want = torch.full_like(flat, -math.inf)
+        k_want = torch.zeros(6, dtype=torch.long)
+        rows = torch.full((6,), 0, dtype=torch.long)
+        plan = exact_plan(mode, torch.full((6,), alpha, dtype=torch.float64),
+                          torch.full((6,), lam, dtype=torch.float64), rows, rows)
+        decode_exact(want, k_want, p, plan, lambda log_q: log_q.to(flat.dtype))
+        assert torch.equal(k, k_want)
+        torch.testing.assert_close(out.exp(), want.exp(), rtol=0, atol=1e-7)
+
+
+def test_fixed_shape_step_agrees_with_the_exact_path_on_realistic_rows(logits):
+    """The window's answers (Newton with a fixed iteration count, gaps from H(k)) equal the
+    exact path's (tolerance-stopped Newton, Pythagorean gaps) on every row."""
+    rows = logits[:16].double()
+    for mode, alpha, lam in (("primal", 3.0, 1e-3), ("primal", 1.25, 1e-3),
+                             ("primal", 5.0, 1e-4), ("dual", 1.5, 1e-3), ("dual", 3.0, 1e-3)):
+        out, k = bregman_decode(torch.softmax(rows, -1), alpha=alpha, lam=lam, mode=mode)
+        p = torch.softmax(rows, -1)
+        want = torch.zeros_like(p)
+        k_want = torch.zeros(16, dtype=torch.long)
+        none = torch.zeros(16, dtype=torch.long)
+        plan = exact_plan(mode, torch.full((16,), alpha, dtype=torch.float64),
+                          torch.full((16,), lam, dtype=torch.float64), none, none)
+        decode_exact(want, k_want, p, plan, torch.exp)
+        assert torch.equal(k, k_want), (mode, alpha)
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- the processor
+
+MIXED = [
+    {"bregman_alpha": 1.0, "bregman_lambda": 1e-2},
+    {"bregman_alpha": 1.5, "bregman_lambda": 1e-3},
+    {"bregman_alpha": 2.0, "bregman_lambda": 1e-2, "bregman_k_max": 50},
+    {"bregman_alpha": 3.0, "bregman_lambda": 1e-3},
+    {"bregman_mode": "dual", "bregman_alpha": 1.5, "bregman_lambda": 1e-2},
+    {"bregman_alpha": 1.5, "bregman_lambda": 0.0, "bregman_top_k": 50},
+    {},  # a plain request
+]
+
+
+class EngineConfig:
+    """Stands in for VllmConfig: the processor uses it only as an identity for de-duplication
+    (and reads the vocabulary size and max_num_seqs from it when they are there)."""
+
+
+def v1_processor(configs: list[dict]) -> BregmanLogitsProcessor:
+    proc = BregmanLogitsProcessor(EngineConfig(), torch.device("cpu"), False)
+    added = [(i, SamplingParams(temperature=1.0, extra_args=configs[i % len(configs)] or None),
+              None, []) for i in range(BATCH)]
+    proc.update_state(BatchUpdate(BATCH, [], added, []))
+    return proc
+
+
+def v2_processor(configs: list[dict]) -> tuple[BregmanLogitsProcessor, LogitsContext]:
+    """The V2 interface with vLLM's own LogitsContext; req_states is stood in by the three
+    attributes the processor reads (Model Runner V2 itself needs CUDA)."""
+    proc = BregmanLogitsProcessor(EngineConfig(), SimpleNamespace(
+        device=torch.device("cpu"), vocab_size=VOCAB, max_num_reqs=BATCH))
+    for slot in range(BATCH):
+        config = configs[slot % len(configs)]
+        proc.add_request(slot, SamplingParams(temperature=0.8, extra_args=config or None))
+    order = list(reversed(range(BATCH)))
+    mapping = torch.tensor(order, dtype=torch.int32)
+    ctx = LogitsContext(
+        expanded_idx_mapping=mapping, idx_mapping=mapping, idx_mapping_np=np.array(order),
+        expanded_local_pos=torch.zeros(BATCH, dtype=torch.int32),
+        input_ids=torch.zeros(BATCH, dtype=torch.int32), pos=torch.zeros(BATCH, dtype=torch.int32),
+        seq_lens_upper_bound_np=np.ones(BATCH, dtype=np.int64))
+    return proc, ctx
+
+
+@pytest.mark.parametrize("interface", ["v1", "v2"])
+@pytest.mark.parametrize("configs", [MIXED[:1], MIXED[3:4], MIXED[4:5], MIXED],
+                         ids=["kl", "alpha3", "dual", "mixed"])
+def test_steady_state_apply_plans_once_and_syncs_at_most_once(logits, interface, configs):
+    if interface == "v1":
+        proc = v1_processor(configs)
+        call = lambda: proc.apply(logits.clone())  # noqa: E731
+    else:
+        proc, ctx = v2_processor(configs)
+        call = lambda: proc.apply(logits.clone(), ctx)  # noqa: E731
+    call()
+    plan = proc.plan
+    with DispatchCounter() as counter:
+        call()
+    assert proc.plan is plan  # planned once per batch change, not per step
+    assert counter.syncs <= 1, dict(counter.sync_ops)
+    if len(configs) == 1:
+        # One family: the same budget as one call of the core (plus the V2 temperature and
+        # row gather around it).
+        assert counter.launches <= 150 + (6 if interface == "v2" else 0), \
+            counter.launch_ops.most_common(8)
+    else:
+        # Six families in one batch: one pass each (`plan`). The fused (compiled) step is the
+        # way below 150 launches; this guards the eager path against regressions.
+        assert counter.launches <= 600, counter.launch_ops.most_common(8)
+
+
+def test_v2_replans_only_when_the_row_order_changes(logits):
+    proc, ctx = v2_processor(MIXED[1:2])
+    proc.apply(logits.clone(), ctx)
+    plan = proc.plan
+    proc.apply(logits.clone(), ctx)
+    assert proc.plan is plan
+    order = list(range(BATCH))
+    mapping = torch.tensor(order, dtype=torch.int32)
+    reordered = LogitsContext(
+        expanded_idx_mapping=mapping, idx_mapping=mapping, idx_mapping_np=np.array(order),
+        expanded_local_pos=ctx.expanded_local_pos, input_ids=ctx.input_ids, pos=ctx.pos,
+        seq_lens_upper_bound_np=ctx.seq_lens_upper_bound_np)
+    proc.apply(logits.clone(), reordered)
+    assert proc.plan is not plan
+
+
+def test_one_bad_row_never_disables_the_others(monkeypatch):
+    """A request that slipped past validation with a top_k beyond int64, next to eight
+    `bregman_top_k=1` requests: those eight are decoded to their top token at every step. A
+    decoder failure in one group leaves only that group's rows as they were, and is counted."""
+    proc = BregmanLogitsProcessor(EngineConfig(), torch.device("cpu"), False)
+    rows = [(i, SamplingParams(temperature=1.0, extra_args={"bregman_top_k": 1}), None, [])
+            for i in range(8)]
+    rows.append((8, SamplingParams(temperature=1.0,
+                                   extra_args={"bregman_top_k": 9223372036854775808}), None, []))
+    proc.update_state(BatchUpdate(9, [], rows, []))
+    for seed in range(3):
+        logits = realistic_logits(9, 500, seed)
+        out = proc.apply(logits.clone())
+        assert torch.isfinite(out[:8]).sum(-1).eq(1).all()
+        assert torch.equal(out[:8].argmax(-1), logits[:8].argmax(-1))
+
+    # A bug in one family's decoder: the other families' rows are still decoded.
+    proc = v1_processor(MIXED[:2])
+    real = step_module.closed_search
+
+    def broken(family, *args, **kwargs):
+        if family.value == "kl":
+            raise RuntimeError("simulated bug in the KL window")
+        return real(family, *args, **kwargs)
+
+    monkeypatch.setattr(step_module, "closed_search", broken)
+    monkeypatch.setattr(telemetry, "_last_warning", -math.inf)
+    before = telemetry.failures_total()
+    logits = realistic_logits(seed=9)
+    out = proc.apply(logits.clone())
+    kl_rows, other_rows = slice(0, None, 2), slice(1, None, 2)
+    assert torch.equal(out[kl_rows], logits[kl_rows])
+    assert torch.isinf(out[other_rows]).any(-1).all()  # decoded: tokens cut off
+    assert telemetry.failures_total() == before + BATCH // 2
+    assert processor_module.telemetry is telemetry
+
+
+def test_failures_reach_the_prometheus_counter(monkeypatch):
+    from prometheus_client import REGISTRY
+
+    proc = v1_processor(MIXED[3:4])
+    monkeypatch.setattr(processor_module, "decode_step", lambda *a, **k: 1 / 0)
+    before = REGISTRY.get_sample_value("bregman_processor_failures_total",
+                                       {"interface": "v1"}) or 0.0
+    proc.apply(realistic_logits())
+    after = REGISTRY.get_sample_value("bregman_processor_failures_total", {"interface": "v1"})
+    assert after == before + BATCH
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize(("kind", "kwargs"), [
+    ("peaked", dict(alpha=3.0, lam=1e-2)),
+    ("flat", dict(alpha=1.5, lam=1e-9)),  # k* = V: the exact path over whole rows
+    ("flat", dict(alpha=1.5, lam=1e-9, mode="dual")),
+    ("flat", dict(alpha=0.5, lam=1e-9)),
+    ("flat", dict(alpha=1.5, lam=0.0)),  # lambda = 0: the whole support
+    ("flat", dict(alpha=3.0, lam=0.0, top_k=VOCAB)),  # a fixed top-k as wide as the vocabulary
+    ("flat", dict(alpha=1.5, lam=0.0, top_k=20000, mode="dual")),
+])
+def test_extra_memory_of_a_step_is_bounded(kind, kwargs):
+    scale = (3.0, 7.0) if kind == "peaked" else (0.3, 0.3)
+    logits = realistic_logits(BATCH, VOCAB, seed=2, scale=scale)
+    gc.collect()
+    with MemoryTracker() as memory:
+        out = bregman_decode_logits(logits, **kwargs)
+    bound = step_memory_bound(BATCH, VOCAB)
+    assert memory.peak <= bound, (memory.peak, bound)
+    # The bound is not loose by orders of magnitude: every case holds at least the output.
+    assert memory.peak >= out.numel() * out.element_size()
+
+
+def test_processor_reserves_the_bound_until_its_first_step():
+    """On an accelerator the processor holds `step_memory_bound(max_num_seqs, V)` bytes from
+    construction (before vLLM profiles memory) to its first apply(). Exercised on the 'meta'
+    device, which allocates nothing: the reservation's size and its release are what count."""
+    config = SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: 1000),
+                             scheduler_config=SimpleNamespace(max_num_seqs=32))
+    proc = BregmanLogitsProcessor(config, torch.device("meta"), False)
+    assert proc._reserve is not None
+    assert proc._reserve.numel() == step_memory_bound(32, 1000)
+    proc.update_state(BatchUpdate(1, [], [(0, SamplingParams(extra_args={"bregman_alpha": 2}),
+                                           None, [])], []))
+    proc.apply(torch.empty(1, 1000, device="meta"))  # (meta tensors hold no values to decode)
+    assert proc._reserve is None
+    cpu = BregmanLogitsProcessor(SimpleNamespace(**vars(config)), torch.device("cpu"), False)
+    assert cpu._reserve is None  # the CPU runner does not profile memory this way
