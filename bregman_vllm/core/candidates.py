@@ -78,7 +78,7 @@ def top_entries(p: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
 def candidates(p: Tensor, width: int) -> Candidates:
     """The ``width`` candidates of every row of ``p`` ([n, V], entries >= 0 or NaN)."""
     values, index, rest = top_entries(p, width)
-    x = values.to(torch.float64)
+    x = values.to(torch.float64).clamp_min(0.0)
     total = x.sum(-1) + rest
     x = x / total.unsqueeze(-1)
     tail = rest / total

@@ -75,13 +75,17 @@ def decode_step(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = Fal
 
 def _decode_group(scores: Tensor, group: Group, logits: bool, inplace: bool) -> _Result:
     rows = scores if group.rows is None else scores.index_select(0, group.rows)
-    writable = inplace or group.rows is not None  # a gathered copy is ours to overwrite
+    # A gathered copy is ours to overwrite, unless it doubles as the probabilities (which the
+    # exact path may still need).
+    writable = inplace or (group.rows is not None and logits)
     if group.family == Family.KEEP_ALL:
         out, k = _keep_all_logits(rows) if logits else _keep_all(rows)
         if writable and out is not rows:
             out = rows.copy_(out)
         return _Result(out, k, None, None)
-    p = torch.softmax(rows, -1) if logits else rows.clamp_min(0.0)
+    # Probabilities as given: negative entries are never candidates (they sort last) and their
+    # values are clamped to 0 where they are (the candidates, `candidates.top_entries`).
+    p = torch.softmax(rows, -1) if logits else (rows.clone() if writable else rows)
     if group.family == Family.EXACT:
         result = _exact_rows(rows, p, group, logits)
         if writable:
@@ -142,9 +146,16 @@ def fixed_shape_group(rows: Tensor, p: Tensor, static: _Static, alpha, lam, size
     values = decoded.log_q if logits else torch.exp(decoded.log_q)
     # Rows that are not distributions get their own values back.
     values = torch.where(valid.unsqueeze(-1), values.to(rows.dtype), torch.gather(rows, 1, index))
-    fill = -math.inf if logits else 0.0
-    out = rows.masked_fill_(valid.unsqueeze(-1), fill) if writable else \
-        rows.masked_fill(valid.unsqueeze(-1), fill)
+    # Off the support: -inf (logits) or 0 (probabilities) on valid rows, the row's own values
+    # elsewhere; as a clamp with per-row bounds, one fast pass (a broadcast masked_fill or where
+    # is several times slower on CPU).
+    if logits:
+        high = torch.where(valid, -math.inf, math.inf).unsqueeze(-1).to(rows.dtype)
+        out = rows.clamp_(max=high) if writable else torch.clamp(rows, max=high)
+    else:
+        low = torch.where(valid, 0.0, -math.inf).unsqueeze(-1).to(rows.dtype)
+        high = torch.where(valid, 0.0, math.inf).unsqueeze(-1).to(rows.dtype)
+        out = rows.clamp_(low, high) if writable else torch.clamp(rows, low, high)
     out.scatter_(1, index, values)
     needs = None if decoded.uncertain is None else decoded.uncertain & valid
     return out, decoded.k * valid, needs
