@@ -19,8 +19,8 @@ Pipeline, per batch of rows (vectorized over rows; loops run over rounds and pro
    candidates goes to the next round with 8 W candidates (up to the whole row).
 3. log T_k* on the support, written into the output.
 
-Memory: a round holds a few float64 [rows, W] arrays; `decode_exact` processes rows in chunks so
-that a round over whole rows (W = V) stays within `MEMORY_BUDGET` bytes.
+Memory: a round holds a few float64 [rows, W] arrays; rounds whose width would exceed
+`MEMORY_BUDGET` bytes run their rows in pieces, and finished rows are written out at once.
 """
 
 from __future__ import annotations
@@ -295,21 +295,17 @@ def _final_maps(plan: ExactPlan, cand: _Candidates, k: Tensor, alpha: Tensor, ca
     return out
 
 
-def _decode_rows(p: Tensor, plan: ExactPlan) -> tuple[list[tuple[Tensor, Tensor, Tensor, Tensor]],
-                                                  Tensor]:
-    """Decode every row of ``p`` ([N, V]).
-
-    Returns one chunk per candidate round, (rows, index [n, W], log_q [n, W], k [n]), in which the
-    W positions of a row are distinct (log q = -inf past its support), and the rows that are not
-    distributions (no positive mass, NaN or inf), which are left alone.
+def _decode_rows(p: Tensor, plan: ExactPlan, out: Tensor, k_out: Tensor, to_values) -> None:
+    """Decode every row of ``p`` ([N, V]) and write each round's supports into ``out`` and
+    ``k_out`` as soon as they are known; rows that are not distributions (no positive mass,
+    NaN or inf) are left alone. A round runs its rows in pieces small enough for its width to
+    stay within `MEMORY_BUDGET` (only the whole-row rounds of flat rows are split).
     """
     n, vocab = p.shape
     device = p.device
     pending = torch.arange(n, device=device)
     low = torch.ones(n, dtype=torch.long, device=device)
     width = min(max(INITIAL_CANDIDATES, 2), vocab)
-    chunks: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
-    invalid: list[Tensor] = []
     while pending.numel():
         if width < vocab:
             # Fixed-k rows larger than this round's width wait for a wider round.
@@ -318,37 +314,45 @@ def _decode_rows(p: Tensor, plan: ExactPlan) -> tuple[list[tuple[Tensor, Tensor,
             now, later = pending[ready], pending[~ready]
         else:
             now, later = pending, pending[:0]
-        if now.numel():
-            rows_now = p if now.numel() == n else p[now]  # no copy in the common case
-            cand, total = _candidates(rows_now, width)
-            bad = ~torch.isfinite(total) | (total <= 0)
-            if bool(bad.any()):
-                invalid.append(now[bad])
-                good = (~bad).nonzero().squeeze(-1)
-                now, cand = now[good], _take(cand, good)
-            k, done, cache, cached = _support_sizes(
-                plan.mode, cand, plan.alpha[now], plan.lam[now], plan.fixed_k[now],
-                plan.k_max[now], low[now], plan.generator, plan.alpha_values)
-            if width >= vocab:
-                done = torch.ones_like(done)
-            fin = done.nonzero().squeeze(-1)
-            if fin.numel() == now.numel():  # every row certified: no copies of the candidates
-                log_q = _final_maps(plan, cand, k, plan.alpha[now], cache, cached)
-                chunks.append((now, cand.index[:, : log_q.shape[-1]], log_q, k))
-            elif fin.numel():
-                rows = now[fin]
-                sub = _take(cand, fin)
-                log_q = _final_maps(plan, sub, k[fin], plan.alpha[rows], cache[fin], cached[fin])
-                chunks.append((rows, sub.index[:, : log_q.shape[-1]], log_q, k[fin]))
-            again = (~done).nonzero().squeeze(-1)
-            low[now[again]] = width  # G(k) > lambda for every k < width
-            later = torch.cat([later, now[again]])
+        piece = max(1, MEMORY_BUDGET // max(1, width * _BYTES_PER_ENTRY))
+        for start in range(0, now.numel(), piece):
+            again = _round(p, plan, now[start:start + piece], width, low, out, k_out, to_values)
+            later = torch.cat([later, again])
         pending = later
         width *= _GROWTH
         if width * _FULL_SORT_FRACTION >= vocab:  # a top-k that large costs about a full sort
             width = vocab
-    empty = torch.empty(0, dtype=torch.long, device=device)
-    return chunks, torch.cat(invalid) if invalid else empty
+
+
+def _round(p: Tensor, plan: ExactPlan, now: Tensor, width: int, low: Tensor, out: Tensor,
+           k_out: Tensor, to_values) -> Tensor:
+    """One candidate round for the rows ``now``; returns the rows that need a wider one."""
+    n, vocab = p.shape
+    rows_now = p if now.numel() == n else p[now]  # no copy in the common case
+    cand, total = _candidates(rows_now, width)
+    bad = ~torch.isfinite(total) | (total <= 0)
+    if bool(bad.any()):
+        good = (~bad).nonzero().squeeze(-1)
+        now, cand = now[good], _take(cand, good)
+    if now.numel() == 0:
+        return now
+    k, done, cache, cached = _support_sizes(
+        plan.mode, cand, plan.alpha[now], plan.lam[now], plan.fixed_k[now],
+        plan.k_max[now], low[now], plan.generator, plan.alpha_values)
+    if width >= vocab:
+        done = torch.ones_like(done)
+    fin = done.nonzero().squeeze(-1)
+    if fin.numel() == now.numel():  # every row certified: no copies of the candidates
+        log_q = _final_maps(plan, cand, k, plan.alpha[now], cache, cached)
+        _write(out, k_out, [(now, cand.index[:, : log_q.shape[-1]], log_q, k)], to_values)
+    elif fin.numel():
+        rows = now[fin]
+        sub = _take(cand, fin)
+        log_q = _final_maps(plan, sub, k[fin], plan.alpha[rows], cache[fin], cached[fin])
+        _write(out, k_out, [(rows, sub.index[:, : log_q.shape[-1]], log_q, k[fin])], to_values)
+    again = (~done).nonzero().squeeze(-1)
+    low[now[again]] = width  # G(k) > lambda for every k < width
+    return now[again]
 
 
 def _write(out: Tensor, k_out: Tensor, chunks, to_values) -> None:
@@ -387,14 +391,7 @@ def decode_exact(out: Tensor, k_out: Tensor, p: Tensor, plan: ExactPlan, to_valu
     write the supports into ``out`` ([n, V], pre-filled with the value off the support) and the
     sizes into ``k_out``; rows that are not distributions are left as ``out`` has them.
 
-    Rows go in chunks small enough for a whole-row round to stay within `MEMORY_BUDGET`.
+    Memory: rounds over whole rows run in row pieces of at most `MEMORY_BUDGET` bytes, and
+    every finished row is written out at once (no float64 [n, V] array is ever held).
     """
-    n, vocab = p.shape
-    chunk = max(1, MEMORY_BUDGET // max(1, vocab * _BYTES_PER_ENTRY))
-    for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
-        sub = plan if (start, stop) == (0, n) else plan._replace(
-            alpha=plan.alpha[start:stop], lam=plan.lam[start:stop],
-            fixed_k=plan.fixed_k[start:stop], k_max=plan.k_max[start:stop])
-        chunks, _invalid = _decode_rows(p[start:stop], sub)
-        _write(out[start:stop], k_out[start:stop], chunks, to_values)
+    _decode_rows(p, plan, out, k_out, to_values)
