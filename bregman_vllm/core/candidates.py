@@ -102,6 +102,8 @@ _LOWER: dict[tuple[int, torch.device], Tensor] = {}
 
 def _strictly_lower(size: int, device: torch.device) -> Tensor:
     """[size, size] float64 matrix with ones where row > column (made once per size)."""
+    if torch.compiler.is_compiling():  # a graph makes its own constants
+        return torch.ones(size, size, dtype=torch.float64, device=device).tril(-1)
     key = (size, torch.device(device))
     if key not in _LOWER:
         _LOWER[key] = torch.ones(size, size, dtype=torch.float64, device=device).tril(-1)
@@ -110,6 +112,8 @@ def _strictly_lower(size: int, device: torch.device) -> Tensor:
 
 def _arange(size: int, device: torch.device, dtype: torch.dtype = torch.long) -> Tensor:
     """``torch.arange(size)`` on ``device``, made once (constants are not rebuilt per step)."""
+    if torch.compiler.is_compiling():  # a graph makes its own constants
+        return torch.arange(size, device=device, dtype=dtype)
     key = (size, torch.device(device), dtype)
     cached = _ARANGE.get(key)
     if cached is None:

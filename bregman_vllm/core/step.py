@@ -27,8 +27,10 @@ No float64 [n, V] array is ever made. `step_memory_bound` gives the bound in byt
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import types
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -41,6 +43,7 @@ from .plan import WIDE_WINDOW, WINDOW, Group, Plan
 from .window import Decoded, closed_map, closed_search, iterative_fixed, iterative_search
 
 Tensor = torch.Tensor
+logger = logging.getLogger(__name__)
 
 
 class _Result(NamedTuple):
@@ -83,11 +86,8 @@ def _decode_group(scores: Tensor, group: Group, logits: bool, inplace: bool) -> 
         if writable and out is not rows:
             out = rows.copy_(out)
         return _Result(out, k, None, None)
-    # Probabilities as given: negative entries are never candidates (they sort last) and their
-    # values are clamped to 0 where they are (the candidates, `candidates.top_entries`).
-    p = torch.softmax(rows, -1) if logits else (rows.clone() if writable else rows)
     if group.family == Family.EXACT:
-        result = _exact_rows(rows, p, group, logits)
+        result = _exact_rows(rows, _probabilities(rows, logits, writable), group, logits)
         if writable:
             rows.copy_(result.out)
             result = result._replace(out=rows)
@@ -95,24 +95,30 @@ def _decode_group(scores: Tensor, group: Group, logits: bool, inplace: bool) -> 
     static = _Static.of(group)
     chunk = max(1, MEMORY_BUDGET // (static.width * _WIDE_BYTES_PER_ENTRY))
     if rows.shape[0] <= chunk:
-        out, k, needs = _fast(rows, p, static, group.alpha, group.lam, group.size, logits,
-                              writable)
-        return _Result(out, k, needs, p)
+        return _Result(*_fast(rows, static, group.alpha, group.lam, group.size, logits,
+                              writable))
     # A wide fixed top-k: rows in chunks, so its [rows, width] float64 arrays stay bounded.
     out = rows if writable else rows.clone()
-    parts = []
-    for start in range(0, rows.shape[0], chunk):
-        piece = slice(start, start + chunk)
-        parts.append(_fast(out[piece], p[piece], static, _rows_of(group.alpha, piece),
-                           _rows_of(group.lam, piece), _rows_of(group.size, piece), logits,
-                           True))
+    parts = [_fast(out[piece], static, _rows_of(group.alpha, piece), _rows_of(group.lam, piece),
+                   _rows_of(group.size, piece), logits, True)
+             for piece in (slice(start, start + chunk)
+                           for start in range(0, rows.shape[0], chunk))]
     k = torch.cat([part[1] for part in parts])
     needs = None if parts[0][2] is None else torch.cat([part[2] for part in parts])
-    return _Result(out, k, needs, p)
+    return _Result(out, k, needs, torch.cat([part[3] for part in parts]))
 
 
 def _rows_of(value, piece: slice):
     return value[piece] if isinstance(value, Tensor) else value
+
+
+def _probabilities(rows: Tensor, logits: bool, writable: bool) -> Tensor:
+    """softmax(rows), or the given probabilities (copied when the rows will be overwritten).
+    Negative probabilities are never candidates (they sort last) and their values are clamped
+    to 0 where they are (`candidates.candidates`)."""
+    if logits:
+        return torch.softmax(rows, -1)
+    return rows.clone() if writable else rows
 
 
 @dataclass(frozen=True)
@@ -135,10 +141,12 @@ class _Static:
                    group.window, group.iterations, group.below_two, group.above_two)
 
 
-def fixed_shape_group(rows: Tensor, p: Tensor, static: _Static, alpha, lam, size,
-                      logits: bool, writable: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Steps 2-4 of the module docstring for one group: a fixed sequence of ops on fixed
-    shapes, no host sync. Returns (decoded rows, k, rows needing the exact path or None)."""
+def fixed_shape_group(rows: Tensor, static: _Static, alpha, lam, size, logits: bool,
+                      writable: bool) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """Steps 1-4 of the module docstring for one group: a fixed sequence of ops on fixed
+    shapes, no host sync. Returns (decoded rows, k, rows needing the exact path or None, the
+    probabilities)."""
+    p = _probabilities(rows, logits, writable)
     cand = candidates(p, static.width)
     valid = (cand.total > 0) if logits else (cand.total > 0) & (cand.total < math.inf)
     decoded = _support_and_map(cand, static, alpha, lam, size)
@@ -158,7 +166,7 @@ def fixed_shape_group(rows: Tensor, p: Tensor, static: _Static, alpha, lam, size
         out = rows.clamp_(low, high) if writable else torch.clamp(rows, low, high)
     out.scatter_(1, index, values)
     needs = None if decoded.uncertain is None else decoded.uncertain & valid
-    return out, decoded.k * valid, needs
+    return out, decoded.k * valid, needs, p
 
 
 def _support_and_map(cand: Candidates, static: _Static, alpha, lam, size) -> Decoded:
@@ -184,7 +192,7 @@ def _support_and_map(cand: Candidates, static: _Static, alpha, lam, size) -> Dec
 
 # ----------------------------------------------------------------------------- compilation
 
-_COMPILED: dict[str, object] = {}
+_COMPILED: dict[object, object] = {}
 
 
 def compile_enabled(device: torch.device) -> bool:
@@ -198,19 +206,38 @@ def compile_enabled(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _fast(rows: Tensor, p: Tensor, static: _Static, alpha, lam, size, logits: bool,
-          writable: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-    if not compile_enabled(rows.device):
-        return fixed_shape_group(rows, p, static, alpha, lam, size, logits, writable)
-    compiled = _COMPILED.get("group")
-    if compiled is None:
-        import torch._dynamo
+def _group_entry(rows: Tensor, alpha, lam, size, logits: bool, writable: bool):
+    return fixed_shape_group(rows, STATIC, alpha, lam, size, logits, writable)  # noqa: F821
 
-        # One compiled graph per family and shape class; the default limit of 8 is too few
-        # for a server that sees every family.
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        compiled = _COMPILED["group"] = torch.compile(fixed_shape_group, fullgraph=True)
-    return compiled(rows, p, static, alpha, lam, size, logits, writable)
+
+def compiled_group(static: _Static):
+    """`fixed_shape_group` for one group shape under torch.compile (fullgraph), made on first
+    use (about 10 s on a CPU).
+
+    Each shape gets a function of its own (its own code object, with ``static`` a constant of
+    its globals), so torch.compile's caches of two families never meet: the graph is
+    specialized on the shape, while batch sizes and parameter values stay graph inputs (no
+    recompile per value).
+    """
+    compiled = _COMPILED.get(static)
+    if compiled is None:
+        name = f"bregman_{static.family.value}_group_{len(_COMPILED)}"
+        entry = types.FunctionType(_group_entry.__code__.replace(co_name=name),
+                                   {**globals(), "STATIC": static}, name)
+        compiled = _COMPILED[static] = torch.compile(entry, fullgraph=True)
+    return compiled
+
+
+def _fast(rows: Tensor, static: _Static, alpha, lam, size, logits: bool, writable: bool
+          ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    if compile_enabled(rows.device) and not _COMPILED.get("failed"):
+        try:
+            return compiled_group(static)(rows, alpha, lam, size, logits, writable)
+        except Exception:  # a compiler that cannot handle this device: stay eager for good
+            logger.warning("torch.compile of the Bregman step failed; running it eagerly",
+                           exc_info=True)
+            _COMPILED["failed"] = True
+    return fixed_shape_group(rows, static, alpha, lam, size, logits, writable)
 
 
 # ----------------------------------------------------------------------------- exact path
