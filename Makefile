@@ -14,7 +14,7 @@ models: $(VENV)/.ready
 
 run: $(VENV)/.ready
 	$(PY) scripts/prepare_models.py --only smollm2
-	$(PY) -m server.cli --model models/smollm2-135m-instruct $(ARGS)
+	$(PY) -m bregman_server.cli --model models/smollm2-135m-instruct $(ARGS)
 
 demo: $(VENV)/.ready
 	$(PY) -m bregman_vllm.demo

@@ -23,6 +23,7 @@ integers >= 1 or absent. `k_max` caps the support size in both the adaptive and 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -170,57 +171,94 @@ def _fmt(value: float) -> str:
     return f"{value:g}"
 
 
-def parse_alpha(value: Any, field: str = "bregman_alpha") -> float:
-    """A float from a number or from the strings "inf", "+inf", "-inf", "infinity" (any case)."""
+#: Largest accepted support size (bregman_top_k, bregman_k_max): a signed 32-bit integer, so
+#: that no request can overflow the engine's index tensors; larger supports are clamped to the
+#: vocabulary by the engine anyway.
+MAX_SUPPORT_SIZE = 2**31 - 1
+
+# A plain ASCII decimal number: no "1_000", no non-ASCII digits ("²", "١"), no hex, no "nan".
+_NUMBER_TEXT = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
+_INTEGER_TEXT = re.compile(r"\+?\d+", re.ASCII)
+_INFINITIES = {"inf": math.inf, "+inf": math.inf, "infinity": math.inf, "+infinity": math.inf,
+               "-inf": -math.inf, "-infinity": -math.inf}
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut short: an error message never echoes a huge input."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _plain_number(value: Any, field: str, expected: str) -> float:
+    """A float from a JSON number or a plain ASCII decimal string; overflow is an error."""
     if isinstance(value, bool):
-        raise BregmanParamError(field, f"must be a number, got boolean {value!r}")
-    if isinstance(value, (int, float)):
-        number = float(value)
-    elif isinstance(value, str):
-        text = value.strip().lower()
-        aliases = {"inf": math.inf, "+inf": math.inf, "infinity": math.inf,
-                   "+infinity": math.inf, "-inf": -math.inf, "-infinity": -math.inf}
-        if text in aliases:
-            number = aliases[text]
-        else:
-            try:
-                number = float(text)
-            except ValueError:
-                raise BregmanParamError(
-                    field, f'must be a number or "inf" / "-inf", got {value!r}') from None
-    else:
-        raise BregmanParamError(field, f"must be a number, got {type(value).__name__}")
+        raise BregmanParamError(field, f"must be {expected}, got boolean {value!r}")
+    if isinstance(value, float):
+        return value
+    if isinstance(value, int):
+        try:
+            return float(value)
+        except OverflowError:
+            raise BregmanParamError(
+                field, f"must be {expected}, got {_shown(value)}, which overflows a double"
+            ) from None
+    if isinstance(value, str):
+        text = value.strip()
+        if len(text) > 400 or not _NUMBER_TEXT.fullmatch(text):
+            raise BregmanParamError(field, f"must be {expected}, got {_shown(value)}")
+        number = float(text)
+        if math.isinf(number):
+            raise BregmanParamError(
+                field, f"must be {expected}, got {_shown(value)}, which overflows a double")
+        return number
+    raise BregmanParamError(field, f"must be {expected}, got {type(value).__name__}")
+
+
+def parse_alpha(value: Any, field: str = "bregman_alpha") -> float:
+    """A float from a number or from the strings "inf", "+inf", "-inf", "infinity" (any case).
+
+    Strings must be plain ASCII decimal numbers; integers too large for a double and strings
+    that overflow (``"1e999"``) are errors, never silently infinite. A float infinity (JSON
+    ``Infinity`` as Python parses it) is the infinite alpha.
+    """
+    expected = 'a number or "inf" / "-inf"'
+    if isinstance(value, str) and value.strip().lower() in _INFINITIES:
+        return _INFINITIES[value.strip().lower()]
+    number = _plain_number(value, field, expected)
     if math.isnan(number):
         raise BregmanParamError(field, "must be a number, got NaN")
     return number
 
 
 def parse_lambda(value: Any, field: str = "bregman_lambda") -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise BregmanParamError(field, f"must be a number >= 0, got {value!r}")
-    try:
-        number = float(value)
-    except ValueError:
-        raise BregmanParamError(field, f"must be a number >= 0, got {value!r}") from None
+    """A finite float >= 0 from a number or a plain ASCII decimal string."""
+    number = _plain_number(value, field, "a number >= 0")
     if not math.isfinite(number) or number < 0:
-        raise BregmanParamError(field, f"must be a finite number in [0, inf), got {value!r}")
+        raise BregmanParamError(field, f"must be a finite number in [0, inf), got {_shown(value)}")
     return number
 
 
 def parse_support_size(value: Any, field: str) -> int | None:
-    """An integer >= 1, or None. Integral floats (5.0, from JSON) are accepted."""
+    """An integer in [1, `MAX_SUPPORT_SIZE`], or None. Integral floats (5.0, from JSON) and plain
+    ASCII digit strings are accepted."""
     if value is None:
         return None
+    allowed = f"an integer in [1, {MAX_SUPPORT_SIZE}]"
+    original = value
     if isinstance(value, bool):
-        raise BregmanParamError(field, f"must be an integer >= 1, got {value!r}")
-    if isinstance(value, float) and value.is_integer():
+        raise BregmanParamError(field, f"must be {allowed}, got {value!r}")
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         value = int(value)
-    if isinstance(value, str) and value.strip().lstrip("+").isdigit():
-        value = int(value)
-    if not isinstance(value, int):
-        raise BregmanParamError(field, f"must be an integer >= 1, got {value!r}")
-    if value < 1:
-        raise BregmanParamError(field, f"must be an integer >= 1, got {value}")
+    elif isinstance(value, str):
+        text = value.strip()
+        if not _INTEGER_TEXT.fullmatch(text):
+            raise BregmanParamError(field, f"must be {allowed}, got {_shown(value)}")
+        digits = text.lstrip("+").lstrip("0") or "0"
+        value = int(digits) if len(digits) <= 19 else MAX_SUPPORT_SIZE + 1
+    if not isinstance(value, int) or not 1 <= value <= MAX_SUPPORT_SIZE:
+        raise BregmanParamError(field, f"must be {allowed}, got {_shown(original)}")
     return value
 
 

@@ -1,17 +1,20 @@
-"""bregman-serve: an OpenAI-compatible FastAPI server with Bregman decoding, in front of vLLM.
+"""bregman_server: the serving side of bregman-vllm (the folder ``server/``, installed under
+this project's own name).
 
-Layout:
-    server.settings   ServerSettings (pydantic-settings, env prefix BREGMAN_)
-    server.cli        `bregman-serve` / `python -m server.cli`: flags, embedded and upstream modes
-    server.app        create_app(settings, upstream_pool): the routes
-    server.bregman    the Bregman fields of a request mapped into vLLM's vllm_xargs
-    server.models     request models for the OpenAPI schema (from bregman_vllm.params.FIELD_SPECS)
-    server.proxy      the upstream pool: health checks, round-robin, streaming pass-through
-    server.embedded   the vLLM child process: start, watch, stop
-    server.auth       optional API key
-    server.metrics    Prometheus metrics
-    server.errors     OpenAI-shaped errors
-    server.docs       reference tables for docs/server.md
+Layout, in the order a request meets it:
+    bregman_server.limits      the bounded h11 protocol uvicorn runs (head size and time, cap on
+                               connections, OpenAI-shaped 400/408/431/503)
+    bregman_server.middleware  BregmanMiddleware: API key on every route but /health, bounded
+                               bodies, the Bregman fields validated and mapped into vllm_xargs,
+                               orderly ends on shutdown or engine death (any vLLM server can load
+                               it with ``--middleware``)
+    bregman_server.bregman     the Bregman fields of a request body (JSON parsing, merging)
+    bregman_server.engine      `bregman-serve --model`: vLLM's own OpenAI server in this process
+    bregman_server.gateway     `bregman-serve --upstream`: FastAPI on httpx, for several replicas
+    bregman_server.serving     uvicorn under our signal handling, shared by both servers
+    bregman_server.cli         `bregman-serve` / ``python -m bregman_server.cli``
+    bregman_server.settings    ServerSettings (pydantic-settings, env prefix BREGMAN_)
+    bregman_server.auth, errors, metrics, openapi, docs
 
-Nothing here imports torch or vLLM: the server only needs `bregman_vllm.params`.
+Importing these modules never imports torch or vLLM; `engine` imports vLLM when it serves.
 """

@@ -1,81 +1,63 @@
-"""Optional API key: ``Authorization: Bearer <key>`` on every /v1 route and pass-through route.
+"""The API key: ``Authorization: Bearer <key>`` on every route but /health.
 
-The key comes from ``--api-key`` or ``BREGMAN_API_KEY``. Both sides are hashed before a
-constant-time comparison (`secrets.compare_digest`), so neither the content nor the length of the
-key leaks through timing. /health, /metrics, /docs and /openapi.json stay open (probes, scrapers).
+The key comes from ``--api-key`` or ``BREGMAN_API_KEY`` (for ``vllm serve --middleware ...``:
+also vLLM's own ``--api-key`` / ``VLLM_API_KEY``). Both sides are hashed before a constant-time
+comparison (`secrets.compare_digest`), so neither the content nor the length of the key leaks
+through timing; every configured key is compared, whichever matches.
 """
 
 from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Iterable
 
-from fastapi import Depends
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import SecretStr
-from starlette.requests import Request
+from fastapi.security import HTTPBearer
 
 from .errors import APIError
 
-# auto_error=False: we answer in OpenAI's error shape ourselves; the scheme documents /docs.
+# Documents the scheme in the gateway's /docs; the check itself is `KeyCheck`.
 bearer_scheme = HTTPBearer(auto_error=False, description="The server's API key, if it has one.")
 
-
-def _digest(value: str) -> bytes:
-    return hashlib.sha256(value.encode("utf-8")).digest()
-
-
-def key_matches(expected_digest: bytes, presented: str | None) -> bool:
-    """Constant-time check of a presented key against the digest of the expected one."""
-    if presented is None:
-        return False
-    return secrets.compare_digest(_digest(presented), expected_digest)
+UNAUTHORIZED = APIError(
+    401, "Invalid or missing API key: send the header 'Authorization: Bearer <key>'.",
+    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-def bearer_token(authorization: str | None) -> str | None:
+def _digest(value: bytes) -> bytes:
+    return hashlib.sha256(value).digest()
+
+
+def bearer_token(authorization: bytes | None) -> bytes | None:
     """The token of an ``Authorization: Bearer <token>`` header (scheme case-insensitive)."""
     if not authorization:
         return None
-    scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer":
+    scheme, _, token = authorization.partition(b" ")
+    if scheme.lower() != b"bearer":
         return None
     return token.strip() or None
 
 
-def make_key_check(api_key: SecretStr | None) -> Callable[[str | None], None] | None:
-    """A check of a request's Authorization header against ``api_key`` that raises a 401
-    `APIError`, or None when the server has no key."""
-    if api_key is None or not api_key.get_secret_value():
-        return None
-    expected = _digest(api_key.get_secret_value())
+class KeyCheck:
+    """Whether a request's raw Authorization header carries one of the keys."""
 
-    def check(authorization: str | None) -> None:
-        if not key_matches(expected, bearer_token(authorization)):
-            raise APIError(
-                401, "Invalid or missing API key: send the header 'Authorization: Bearer <key>'.",
-                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    def __init__(self, keys: Iterable[str]) -> None:
+        self.digests = [_digest(key.encode("utf-8")) for key in keys if key]
+        if not self.digests:
+            raise ValueError("no API key")
 
-    return check
+    def __call__(self, authorization: bytes | None) -> bool:
+        token = bearer_token(authorization)
+        presented = _digest(token if token is not None else b"")
+        matched = False
+        for digest in self.digests:  # no early exit: the time does not depend on which matched
+            matched |= secrets.compare_digest(presented, digest)
+        return matched and token is not None
 
 
-def make_auth_dependency(
-    api_key: SecretStr | None,
-) -> Callable[..., Awaitable[None]]:
-    """A FastAPI dependency that enforces ``api_key`` (a no-op when it is None); it also puts
-    the Bearer scheme in the OpenAPI document."""
-    check = make_key_check(api_key)
-    if check is None:
-
-        async def no_auth() -> None:
-            return None
-
-        return no_auth
-
-    async def require_api_key(
-        request: Request,
-        credentials: HTTPAuthorizationCredentials | None = Depends(bearer_scheme),  # noqa: B008
-    ) -> None:
-        check(request.headers.get("authorization"))
-
-    return require_api_key
+def header(scope_headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    """The first value of header ``name`` (lower case) in an ASGI scope's headers."""
+    for key, value in scope_headers:
+        if key == name:
+            return value
+    return None

@@ -27,12 +27,15 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
     def response(self) -> Response:
         return error_response(self.status, self.message, self.type, self.param, self.code,
                               self.headers)
+
+
+def unavailable(message: str, code: str) -> APIError:
+    """A 503: the server is shutting down, its engine died, or no upstream answers."""
+    return APIError(503, message, type="server_error", code=code,
+                    headers={"Retry-After": "1"})
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -49,8 +52,8 @@ def error_response(status: int, message: str, type: str = "invalid_request_error
     return Response(content, status_code=status, headers=headers, media_type="application/json")
 
 
-def sse_error_event(message: str, type: str = "upstream_error",
+def sse_error_event(message: str, type: str = "server_error",
                     code: str | int | None = None) -> bytes:
-    """The SSE event that ends a stream broken by the upstream, followed by ``[DONE]``."""
+    """The SSE event that ends a broken stream, followed by ``[DONE]``."""
     payload = json.dumps(error_body(message, type, None, code))
     return f"data: {payload}\n\ndata: [DONE]\n\n".encode()

@@ -1,61 +1,81 @@
-"""Prometheus metrics of the server, in a registry of its own (served at GET /metrics).
+"""Prometheus metrics of the server, in prometheus_client's default registry.
 
-Label values are bounded: ``endpoint`` is a route template (or "passthrough"), ``mode`` one of
-primal / dual / off / invalid / none, ``upstream`` one of the configured upstream URLs.
-vLLM's own engine metrics stay on the vLLM server (``vllm:*``); scrape both.
+In the in-process server they appear in vLLM's own ``/metrics`` next to ``vllm:*``:
+`bregman_server.engine` sets ``PROMETHEUS_MULTIPROC_DIR`` before vLLM (or prometheus_client) is
+imported, so these metrics, vLLM's, and any ``bregman_*`` metric created in the engine process
+(e.g. ``bregman_processor_failures_total``) are all written to that directory and collected
+together. The gateway serves the default registry itself.
+
+Label values are bounded: ``endpoint`` is one of the routes that take Bregman fields or
+"other", ``mode`` one of primal / dual / off / invalid / none, ``upstream`` a configured URL.
 """
 
 from __future__ import annotations
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+import threading
+from typing import Any
 
-# Proxy overhead is sub-millisecond and generations run for seconds: cover both.
+from prometheus_client import Counter, Gauge, Histogram
+
+# Generations run for seconds: cover sub-millisecond refusals up to long streams.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     120.0, 300.0, 600.0)
 
 
 class Metrics:
-    """The server's counters, histograms and gauges."""
-
-    content_type = CONTENT_TYPE_LATEST
+    """The server's counters, histograms and gauges (one instance per process)."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
         self.requests = Counter(
-            "bregman_server_requests", "Requests answered, by endpoint, Bregman mode and status.",
-            ["endpoint", "mode", "status"], registry=r)
+            "bregman_server_requests", "Requests answered, by endpoint, Bregman mode and status "
+            "(499: the client left first).", ["endpoint", "mode", "status"])
         self.latency = Histogram(
             "bregman_server_request_duration_seconds",
             "Time from request to the last byte of the response (end of stream for SSE).",
-            ["endpoint", "mode"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.first_byte = Histogram(
-            "bregman_server_time_to_first_byte_seconds",
-            "Time from request to the first response byte from the upstream.",
-            ["endpoint", "mode"], buckets=_LATENCY_BUCKETS, registry=r)
+            ["endpoint", "mode"], buckets=_LATENCY_BUCKETS)
         self.in_flight = Gauge(
-            "bregman_server_requests_in_flight", "Requests being proxied now.", ["endpoint"],
-            registry=r)
+            "bregman_server_requests_in_flight", "Requests being served now.", ["endpoint"],
+            multiprocess_mode="livesum")
+        self.cut = Counter(
+            "bregman_server_requests_cut",
+            "Requests ended by the server: at the end of the shutdown grace, or when the "
+            "engine died (reason: shutdown / engine_dead).", ["reason"])
         self.upstream_errors = Counter(
             "bregman_server_upstream_errors",
-            "Upstream failures: connect, timeout, read (mid-stream), unavailable.",
-            ["upstream", "kind"], registry=r)
+            "Gateway: upstream failures (connect, timeout, deadline, read, too_large, "
+            "unavailable).", ["upstream", "kind"])
         self.upstream_healthy = Gauge(
-            "bregman_server_upstream_healthy", "1 if the upstream's /health answered 200.",
-            ["upstream"], registry=r)
-        self.client_disconnects = Counter(
-            "bregman_server_client_disconnects",
-            "Requests whose client went away before the response ended (upstream aborted), "
-            "by response kind (stream / buffered).",
-            ["kind"], registry=r)
+            "bregman_server_upstream_healthy", "Gateway: 1 if the upstream's /health answered "
+            "200.", ["upstream"], multiprocess_mode="livemax")
+        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self._in_flight: dict[str, Any] = {}
 
-    def render(self) -> bytes:
-        """The text exposition format."""
-        return generate_latest(self.registry)
+    def in_flight_for(self, endpoint: str) -> Any:
+        """The in-flight gauge of ``endpoint`` (label lookups cached)."""
+        gauge = self._in_flight.get(endpoint)
+        if gauge is None:
+            gauge = self._in_flight[endpoint] = self.in_flight.labels(endpoint)
+        return gauge
+
+    def record(self, endpoint: str, mode: str, status: int, seconds: float) -> None:
+        """Count one answered request and its duration."""
+        key = (endpoint, mode, str(status))
+        children = self._children.get(key)
+        if children is None:  # labels() costs a lock and a dict lookup: do it once per key
+            children = (self.requests.labels(*key), self.latency.labels(endpoint, mode))
+            self._children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
+
+
+_lock = threading.Lock()
+_metrics: Metrics | None = None
+
+
+def metrics() -> Metrics:
+    """The process's `Metrics` (created on first use)."""
+    global _metrics
+    with _lock:
+        if _metrics is None:
+            _metrics = Metrics()
+        return _metrics

@@ -1,8 +1,9 @@
 """Server configuration: one `ServerSettings` object built from environment and CLI flags.
 
 Every field can be set from the environment with the ``BREGMAN_`` prefix (``BREGMAN_PORT=9000``,
-``BREGMAN_API_KEY=...``, ``BREGMAN_DEFAULT_MODE=primal``); CLI flags (`server.cli`) win over the
-environment because they are passed as init arguments, which pydantic-settings ranks first.
+``BREGMAN_API_KEY=...``, ``BREGMAN_DEFAULT_MODE=primal``); CLI flags (`bregman_server.cli`) win
+over the environment because they are passed as init arguments, which pydantic-settings ranks
+first. The middleware loaded by ``vllm serve --middleware ...`` reads the same variables.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from bregman_vllm.params import (
     parse_alpha,
 )
 
-MiB = 1024 * 1024
+KiB = 1024
+MiB = 1024 * KiB
 
 
 class ServerSettings(BaseSettings):
@@ -38,31 +40,53 @@ class ServerSettings(BaseSettings):
         "info", description="Log level of the server (vLLM has its own: VLLM_LOGGING_LEVEL).")
     access_log: bool = Field(False, description="Uvicorn access log (one line per request).")
 
-    # --- what we forward to ------------------------------------------------------------------
+    # --- what we serve ------------------------------------------------------------------------
+    model: str | None = Field(None, description="Model that vLLM serves in this process.")
     # NoDecode: "http://a:8000,http://b:8000" or whitespace-separated, not JSON, in the env.
     upstream: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Upstream vLLM server URLs (upstream mode; in the environment separated by "
-        "commas or spaces). Empty: embedded mode.")
+        description="Gateway mode: upstream vLLM server URLs, round-robin over the healthy ones "
+        "(in the environment separated by commas or spaces). Empty: vLLM runs in this process.")
     upstream_api_key: SecretStr | None = Field(
-        None, description="Bearer key sent to the upstream vLLM servers (their --api-key).")
-    model: str | None = Field(None, description="Model for the embedded vLLM child.")
+        None, description="Gateway: Bearer key sent to the upstream servers (their API key).")
 
-    # --- security ----------------------------------------------------------------------------
+    # --- security and limits of client connections -----------------------------------------
     api_key: SecretStr | None = Field(
-        None, description="If set, /v1/* requests need 'Authorization: Bearer <api_key>'.")
-    max_body_bytes: int = Field(16 * MiB, ge=1, description="Largest accepted request body.")
+        None, description="If set, every route but /health needs 'Authorization: Bearer "
+        "<api_key>'.")
+    max_body_bytes: int = Field(16 * MiB, ge=1, description="Largest request body (413 above).")
+    max_header_bytes: int = Field(
+        64 * KiB, ge=1024, description="Largest request head: request line and headers (431).")
+    max_connections: int = Field(
+        1024, ge=1, description="Open client connections at most; more are answered 503 and "
+        "closed.")
+    header_timeout: float = Field(
+        10.0, gt=0, description="Seconds a client may take to send a request head (408).")
+    body_timeout: float = Field(
+        30.0, gt=0, description="Longest silence while a client sends a request body (408).")
+    send_timeout: float = Field(
+        60.0, gt=0, description="Longest time a client may leave a response unread before the "
+        "connection is closed (slow readers).")
+    keep_alive_timeout: float = Field(
+        5.0, gt=0, description="Idle keep-alive connections are closed after this many seconds.")
+    graceful_timeout: float = Field(
+        10.0, ge=0, description="On SIGTERM, seconds to let open requests finish; then streams "
+        "end with an error event and [DONE], other requests get 503.")
 
-    # --- upstream client ---------------------------------------------------------------------
-    connect_timeout: float = Field(5.0, gt=0, description="Upstream connect timeout, seconds.")
+    # --- gateway: the upstream client ---------------------------------------------------------
+    connect_timeout: float = Field(5.0, gt=0, description="Gateway: upstream connect timeout.")
     read_timeout: float = Field(
         600.0, gt=0,
-        description="Upstream read timeout (longest silence between two bytes), seconds.")
-    max_connections: int = Field(1024, ge=1, description="Pooled connections per upstream.")
-    health_interval: float = Field(2.0, gt=0, description="Seconds between upstream checks.")
-    health_timeout: float = Field(5.0, gt=0, description="Timeout of one health check.")
-    graceful_timeout: float = Field(
-        10.0, ge=0, description="On shutdown, seconds to let open requests finish.")
+        description="Gateway: longest silence between two bytes from an upstream, seconds.")
+    request_timeout: float = Field(
+        1800.0, gt=0, description="Gateway: total deadline of one upstream exchange (streams "
+        "included), seconds.")
+    max_response_bytes: int = Field(
+        64 * MiB, ge=1, description="Gateway: largest non-streaming upstream response (502).")
+    upstream_max_connections: int = Field(
+        256, ge=1, description="Gateway: connections per upstream at most.")
+    health_interval: float = Field(2.0, gt=0, description="Gateway: seconds between checks.")
+    health_timeout: float = Field(5.0, gt=0, description="Gateway: timeout of one check.")
 
     # --- server-wide Bregman defaults ----------------------------------------------------------
     default_mode: Literal["primal", "dual", "off"] = Field(
@@ -72,18 +96,12 @@ class ServerSettings(BaseSettings):
     default_top_k: int | None = Field(None, ge=1, description="Default bregman_top_k.")
     default_k_max: int | None = Field(None, ge=1, description="Default bregman_k_max.")
 
-    # --- embedded vLLM child -------------------------------------------------------------------
-    vllm_host: str = Field("127.0.0.1", description="Loopback interface of the vLLM child.")
-    vllm_port: int = Field(0, ge=0, le=65535, description="vLLM child port (0: a free port).")
-    vllm_start_timeout: float = Field(
-        900.0, gt=0, description="Seconds to wait for the vLLM child to become healthy.")
-    vllm_stop_timeout: float = Field(
-        20.0, gt=0, description="Seconds between SIGTERM and SIGKILL when stopping the child.")
-    child_exit_grace: float = Field(
-        5.0, ge=0,
-        description="After the vLLM child dies: seconds /health reports 503 before we exit(3).")
+    # --- the engine in this process -----------------------------------------------------------
+    engine_exit_grace: float = Field(
+        2.0, ge=0, description="If the vLLM engine dies: seconds of 503s before the process "
+        "exits with status 3.")
     cpu_kvcache_space_gib: int = Field(
-        4, ge=1, description="VLLM_CPU_KVCACHE_SPACE given to a CPU child when it is unset.")
+        4, ge=1, description="VLLM_CPU_KVCACHE_SPACE for CPU builds of vLLM when it is unset.")
 
     @field_validator("upstream", mode="before")
     @classmethod
@@ -116,21 +134,23 @@ class ServerSettings(BaseSettings):
     def _check_defaults(self) -> ServerSettings:
         # Same rules as a request: a deployment cannot start with defaults every request refuses.
         try:
-            self.bregman_defaults().validated()
+            self.bregman_defaults()
         except BregmanParamError as error:
             raise ValueError(f"invalid server default {error}") from None
         return self
 
+    def api_key_value(self) -> str | None:
+        """Our API key in clear (None when unset or empty)."""
+        return _secret(self.api_key)
+
     def upstream_api_key_value(self) -> str | None:
         """The upstream key in clear (or None), for the Authorization header we send."""
-        if self.upstream_api_key is None:
-            return None
-        return self.upstream_api_key.get_secret_value() or None
+        return _secret(self.upstream_api_key)
 
     @property
-    def embedded(self) -> bool:
-        """Embedded mode: no upstream given, we start vLLM ourselves."""
-        return not self.upstream
+    def gateway(self) -> bool:
+        """Gateway mode: upstream URLs given; otherwise vLLM runs in this process."""
+        return bool(self.upstream)
 
     def bregman_defaults(self) -> BregmanParams:
         """The server-wide defaults as the parameter model (mode "off" leaves requests alone)."""
@@ -152,3 +172,7 @@ class ServerSettings(BaseSettings):
             "bregman_top_k": self.default_top_k,
             "bregman_k_max": self.default_k_max,
         }
+
+
+def _secret(value: SecretStr | None) -> str | None:
+    return (value.get_secret_value() or None) if value is not None else None

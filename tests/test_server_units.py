@@ -1,60 +1,453 @@
-"""Fast tests of the server's parts: request merging, CLI parsing, settings, errors, OpenAPI.
+"""Fast tests of the server's parts: the Bregman middleware, request merging, bounded
+connections, the command line, settings and errors.
 
-No vLLM here (see tests/test_server.py for the live tests). The in-process app tests run the real
-app over ASGI; requests that would reach vLLM are not made, except the 503 case, which points the
-app at a closed loopback port.
+No vLLM here (tests/test_server.py and tests/test_reliability.py run real engines). The
+middleware and the bounded h11 protocol run for real: uvicorn serves, on a loopback port, a small
+Starlette app that stands in for vLLM's (it echoes the body it receives, streams on request and
+can hang), wrapped in `BregmanMiddleware` exactly as vLLM's app is.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
-from fastapi.testclient import TestClient
+from bregman_server.bregman import apply_bregman
+from bregman_server.cli import parse_args
+from bregman_server.limits import uvicorn_config
+from bregman_server.middleware import BregmanMiddleware, Lifecycle
+from bregman_server.settings import ServerSettings
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
-from bregman_vllm.params import FIELD_SPECS, REQUEST_KEYS, BregmanParamError, BregmanParams
-from server.app import create_app
-from server.bregman import apply_bregman
-from server.cli import parse_args
-from server.embedded import child_environment, free_port
-from server.proxy import UpstreamPool
-from server.settings import ServerSettings
+from bregman_vllm.params import FIELD_SPECS, BregmanParamError, BregmanParams
 
 ROOT = Path(__file__).resolve().parent.parent
 OFF = BregmanParams(mode="off").validated()
 PRIMAL = BregmanParams(mode="primal", alpha=1.5, lam=0.01).validated()
+KEY = "s3cret"
+AUTH = {"authorization": f"Bearer {KEY}"}
 
 
 # --- import hygiene ----------------------------------------------------------------------------
 
-def test_server_never_imports_torch_or_vllm() -> None:
+def test_server_never_imports_torch_or_vllm_until_it_serves() -> None:
     code = textwrap.dedent("""
         import sys
-        import server, server.app, server.cli, server.proxy, server.embedded, server.models
-        from server.app import create_app
-        from server.proxy import UpstreamPool
-        from server.settings import ServerSettings
-        settings = ServerSettings(upstream=["http://127.0.0.1:9"])
-        app = create_app(settings, UpstreamPool(settings.upstream))
-        app.openapi()
+        import bregman_server, bregman_server.cli, bregman_server.engine, bregman_server.limits
+        import bregman_server.middleware, bregman_server.gateway, bregman_server.openapi
+        from bregman_server.cli import parse_args
+        parse_args(["--model", "m"])
         heavy = sorted(m for m in sys.modules
                        if m.split(".")[0] in ("torch", "vllm")
                        or m.startswith(("bregman_vllm.core", "bregman_vllm.adapter")))
         assert not heavy, heavy
+        assert "server" not in sys.modules  # the package is bregman_server
         print("ok")
     """)
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+    result = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+# --- a stand-in for vLLM's app, behind the real middleware and uvicorn -------------------------
+
+async def _echo(request: Request) -> Response:
+    raw = await request.body()
+    body = json.loads(raw) if raw else None
+    if isinstance(body, dict) and body.get("stream"):
+        async def events() -> Any:
+            padding = "x" * int(body.get("size", 0))
+            for i in range(int(body.get("events", 3))):
+                await asyncio.sleep(float(body.get("interval", 0.0)))
+                yield f"data: {json.dumps({'i': i, 'pad': padding})}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+    if isinstance(body, dict) and body.get("hang"):
+        await asyncio.sleep(float(body["hang"]))
+    # ASCII JSON, so that a lone surrogate in the body comes back as its escape.
+    return Response(json.dumps({"received": body, "raw": raw.decode("utf-8", "replace")},
+                               ensure_ascii=True), media_type="application/json")
+
+
+async def _plain(request: Request) -> Response:
+    return Response("ok")
+
+
+STUB_ROUTES = ["/v1/completions", "/v1/chat/completions", "/invocations", "/v1/responses",
+               "/v1/messages", "/tokenize", "/pooling"]
+
+
+def stub_app() -> Starlette:
+    routes = [Route(path, _echo, methods=["POST"]) for path in STUB_ROUTES]
+    routes += [Route(path, _plain, methods=["GET"])
+               for path in ("/health", "/metrics", "/load", "/openapi.json", "/v1/models",
+                            "/docs", "/version")]
+    return Starlette(routes=routes)
+
+
+class Served:
+    """uvicorn serving the stub behind `BregmanMiddleware` in a thread, on a loopback port."""
+
+    def __init__(self, **overrides: Any) -> None:
+        import uvicorn
+
+        overrides.setdefault("api_key", KEY)
+        self.settings = ServerSettings(host="127.0.0.1", port=_free_port(), **overrides)
+        self.lifecycle = Lifecycle()
+        app = BregmanMiddleware(stub_app(), settings=self.settings, lifecycle=self.lifecycle)
+        self.server = uvicorn.Server(uvicorn_config(app, self.settings, log_level="warning"))
+        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.port}"
+
+    def __enter__(self) -> Served:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "stub server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    def call(self, function: Any, *args: Any) -> Any:
+        """Run ``function(*args)`` on the server's own event loop and return its result."""
+        loop = self.server.servers[0].get_loop()
+
+        async def run() -> Any:
+            return function(*args)
+
+        return asyncio.run_coroutine_threadsafe(run(), loop).result(30)
+
+    def post(self, path: str, body: Any = None, headers: dict[str, str] | None = None,
+             **kwargs: Any) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, headers={**AUTH, **(headers or {})},
+                          timeout=30, **kwargs)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    with Served(max_body_bytes=4096, body_timeout=1.0, header_timeout=1.0,
+                max_header_bytes=8192, max_connections=40) as server:
+        yield server
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None
+                        ) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert "Traceback" not in response.text
+    return error
+
+
+# --- the Bregman fields on the generation routes ---------------------------------------------
+
+def test_fields_are_validated_and_mapped_into_vllm_xargs(served: Served) -> None:
+    for path in ("/v1/completions", "/v1/chat/completions", "/invocations", "/v1/responses"):
+        body = {"prompt": "x", "bregman_alpha": 2, "bregman_top_k": "5",
+                "vllm_xargs": {"user_key": 1}}
+        received = served.post(path, body).json()["received"]
+        assert "bregman_alpha" not in received and received["prompt"] == "x"
+        assert received["vllm_xargs"] == {"user_key": 1, "bregman_mode": "primal",
+                                          "bregman_alpha": 2.0, "bregman_lambda": 0.01,
+                                          "bregman_top_k": 5}, path
+
+
+def test_bodies_without_bregman_fields_reach_the_app_byte_for_byte(served: Served) -> None:
+    raw = b'{"prompt":  "x",\n "max_tokens": 3, "n": 1.0}'
+    response = httpx.post(served.url + "/v1/completions", content=raw,
+                          headers={**AUTH, "content-type": "application/json"})
+    assert response.json()["raw"] == raw.decode()
+
+
+INVALID_REQUESTS = [
+    ({"bregman_top_k": 9223372036854775808}, "bregman_top_k"),
+    ({"bregman_k_max": 2**31}, "bregman_k_max"),
+    ({"vllm_xargs": {"bregman_top_k": 2**63}}, "bregman_top_k"),
+    ({"vllm_xargs": {"bregman_k_max": "9223372036854775808"}}, "bregman_k_max"),
+    ({"bregman_top_k": "²"}, "bregman_top_k"),
+    ({"bregman_alpha": "١٫٥"}, "bregman_alpha"),
+    ({"bregman_alpha": 10**400}, "bregman_alpha"),
+    ({"bregman_lambda": 10**400}, "bregman_lambda"),
+    ({"bregman_alpha": "1e999"}, "bregman_alpha"),
+    ({"bregman_lambda": "nan"}, "bregman_lambda"),
+    ({"bregman_mode": "greedy"}, "bregman_mode"),
+    ({"bregman_alpha": 0}, "bregman_alpha"),
+    ({"bregman_alpha": True}, "bregman_alpha"),
+    ({"bregman_mode": "dual", "bregman_alpha": 1}, "bregman_alpha"),
+    ({"bregman_topk": 3}, "bregman_topk"),  # a misspelt field is never silently ignored
+    ({"vllm_xargs": "bregman_alpha=2"}, "vllm_xargs"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), INVALID_REQUESTS)
+def test_invalid_fields_are_openai_400s_naming_the_field(served: Served, fields: dict[str, Any],
+                                                         param: str) -> None:
+    for path in ("/v1/completions", "/v1/chat/completions", "/invocations"):
+        response = served.post(path, {"prompt": "x", **fields})
+        error = assert_openai_error(response, 400, param)
+        assert error["type"] == "invalid_request_error" and param in error["message"]
+        assert len(error["message"]) < 600  # a huge input is never echoed whole
+
+
+def test_integer_bound_names_the_allowed_range(served: Served) -> None:
+    response = served.post("/v1/completions", {"bregman_top_k": 2**31})
+    assert "[1, 2147483647]" in assert_openai_error(response, 400, "bregman_top_k")["message"]
+    received = served.post("/v1/completions", {"bregman_top_k": 2**31 - 1}).json()["received"]
+    assert received["vllm_xargs"]["bregman_top_k"] == 2**31 - 1  # the engine clamps to V
+
+
+@pytest.mark.parametrize(("raw", "param"), [
+    (b'{"prompt": "a\\ud800b", "bregman_alpha": 2}', None),  # a lone surrogate passes through
+    (b'{"prompt": "x", "bregman_alpha": Infinity, "bregman_top_k": 3}', None),
+    (b'{"prompt": "x", "bregman_alpha": -Infinity, "bregman_top_k": 3}', None),
+])
+def test_odd_but_valid_json_is_accepted(served: Served, raw: bytes, param: str | None) -> None:
+    response = httpx.post(served.url + "/v1/completions", content=raw,
+                          headers={**AUTH, "content-type": "application/json"})
+    assert response.status_code == 200, response.text
+    received = response.json()["received"]
+    if b"Infinity" in raw:  # lm-evaluation-harness sends float("inf") this way
+        assert received["vllm_xargs"]["bregman_alpha"] in ("inf", "-inf")
+    else:
+        assert received["prompt"] == "a\ud800b"
+
+
+@pytest.mark.parametrize(("raw", "param"), [
+    (b'{"prompt": "x", "bregman_alpha": Infinity}', "bregman_alpha"),  # adaptive needs finite
+    (b'{"prompt": "x", "temperature": NaN, "bregman_alpha": 2}', "temperature"),
+    (b'{"prompt": "x", "max_tokens": Infinity}', "max_tokens"),
+    (b'{"prompt": "x", "bregman_lambda": 1e999}', "bregman_lambda"),
+    (b'{"prompt": "x", "bregman_alpha": 2, "top_p": 1e400}', "top_p"),
+    (b"[" * 100_000 + b"]" * 100_000, None),
+    (b'{"a":' * 100_000 + b"1" + b"}" * 100_000, None),
+    (b'{"bregman_alpha": 2, not json', None),
+    (b'["bregman_alpha", 2]', None),
+    (b'{"bregman_alpha": "\xff\xfe"}', None),
+])
+def test_malformed_json_is_an_openai_400(served: Served, raw: bytes, param: str | None) -> None:
+    """Bodies the middleware must parse (Bregman fields, NaN / Infinity, deep nesting); any
+    other body reaches vLLM untouched, and vLLM answers it (tests/test_reliability.py)."""
+    with Served(max_body_bytes=4 * 1024 * 1024) as roomy:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            response = httpx.post(roomy.url + path, content=raw, timeout=30,
+                                  headers={**AUTH, "content-type": "application/json"})
+            assert_openai_error(response, 400, param)
+        assert httpx.get(roomy.url + "/health").status_code == 200
+
+
+def test_bregman_fields_on_a_route_that_cannot_honour_them_are_a_400(served: Served) -> None:
+    response = served.post("/pooling", {"input": "x", "bregman_alpha": 2})
+    error = assert_openai_error(response, 400, "bregman_alpha")
+    assert "/v1/completions" in error["message"]
+    # Without Bregman fields the route is the app's business.
+    assert served.post("/pooling", {"input": "x"}).status_code == 200
+    form = httpx.post(served.url + "/v1/completions", data={"bregman_alpha": "2"}, headers=AUTH)
+    assert form.status_code == 400 and "JSON" in form.json()["error"]["message"]
+
+
+def test_server_defaults_apply_to_requests_that_do_not_say() -> None:
+    with Served(default_mode="primal", default_top_k=3) as server:
+        received = server.post("/v1/completions", {"prompt": "x"}).json()["received"]
+        assert received["vllm_xargs"]["bregman_top_k"] == 3
+        off = server.post("/v1/completions", {"prompt": "x", "bregman_mode": "off"})
+        assert "vllm_xargs" not in off.json()["received"]
+
+
+# --- the API key --------------------------------------------------------------------------------
+
+def test_api_key_guards_every_route_but_health(served: Served) -> None:
+    for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"),
+                         ("POST", "/invocations"), ("POST", "/tokenize"), ("GET", "/metrics"),
+                         ("GET", "/load"), ("GET", "/openapi.json"), ("GET", "/docs"),
+                         ("GET", "/version"), ("GET", "/no-such-route")]:
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY},
+                        {"authorization": f"Basic {KEY}"}):
+            response = httpx.request(method, served.url + path, headers=headers, json={})
+            assert assert_openai_error(response, 401)["code"] == "invalid_api_key", path
+            assert response.headers["www-authenticate"] == "Bearer"
+        response = httpx.request(method, served.url + path, headers=AUTH, json={})
+        assert response.status_code != 401, path
+    assert httpx.get(served.url + "/health").status_code == 200
+
+
+def test_plain_vllm_serve_adopts_vllms_own_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``vllm serve --middleware ...`` (no settings given), VLLM_API_KEY guards every
+    route, not only vLLM's /v1 prefix."""
+    for name in list(os.environ):
+        if name.startswith("BREGMAN_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("VLLM_API_KEY", "vk")
+    middleware = BregmanMiddleware(stub_app())
+    transport = httpx.ASGITransport(app=middleware)
+
+    async def go() -> tuple[int, int, int]:
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            bare = await client.post("/invocations", json={"prompt": "x"})
+            keyed = await client.post("/invocations", json={"prompt": "x"},
+                                      headers={"authorization": "Bearer vk"})
+            health = await client.get("/health")
+            return bare.status_code, keyed.status_code, health.status_code
+
+    assert asyncio.run(go()) == (401, 200, 200)
+
+
+# --- bounded requests ---------------------------------------------------------------------------
+
+def test_body_size_limit(served: Served) -> None:
+    response = served.post("/v1/completions", {"prompt": "x" * 5000})
+    assert assert_openai_error(response, 413)["code"] == "request_too_large"
+
+    def chunked() -> Iterator[bytes]:  # no content-length: the limit holds while reading
+        for _ in range(30):
+            yield b" " * 200
+
+    response = httpx.post(served.url + "/v1/completions", content=chunked(), headers=AUTH)
+    assert_openai_error(response, 413)
+
+
+def test_request_head_size_limit(served: Served) -> None:
+    response = httpx.get(served.url + "/health", headers={"x-big": "a" * 20_000})
+    assert assert_openai_error(response, 431)["code"] == "request_header_fields_too_large"
+    assert httpx.get(served.url + "/health").status_code == 200
+
+
+def _raw_exchange(url: str, data: bytes, wait: float) -> bytes:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait + 5) as sock:
+        sock.sendall(data)
+        chunks = []
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+
+
+def test_a_request_head_that_never_ends_gets_a_408_and_is_closed(served: Served) -> None:
+    started = time.monotonic()
+    answer = _raw_exchange(served.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", 10)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b'"request_timeout"' in answer
+    assert time.monotonic() - started < 5
+
+
+def test_a_body_shorter_than_its_content_length_gets_a_408(served: Served) -> None:
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"a\": 1")
+    started = time.monotonic()
+    answer = _raw_exchange(served.url, head, 10)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert time.monotonic() - started < 5
+
+
+def test_idle_connections_cannot_exhaust_the_server(served: Served) -> None:
+    """Far more half-open connections than the cap: the extra ones are answered 503 at once,
+    the rest are closed at the head deadline, and the server serves again right after."""
+    host, port = served.url.removeprefix("http://").split(":")
+    sockets = []
+    try:
+        for _ in range(120):
+            sock = socket.create_connection((host, int(port)), timeout=5)
+            sock.sendall(b"GET /health HTTP/1.1\r\n")
+            sockets.append(sock)
+        time.sleep(0.5)
+        refused = 0
+        for sock in sockets[40:]:
+            sock.settimeout(3)
+            data = sock.recv(4096)
+            refused += data.startswith(b"HTTP/1.1 503")
+        assert refused >= 70
+        time.sleep(1.5)  # past the 1 s head deadline: every connection was closed by the server
+        for sock in sockets[:40]:
+            sock.settimeout(3)
+            data = sock.recv(4096)
+            assert data == b"" or data.startswith((b"HTTP/1.1 408", b"HTTP/1.1 503")), data[:80]
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert httpx.get(served.url + "/health", timeout=5).status_code == 200
+
+
+def test_a_client_that_stops_reading_is_cut_off() -> None:
+    """A stream of 64 MB to a client that reads nothing for 3 s: the server gives up after its
+    send timeout, so the client then finds far less than 64 MB before the connection ends."""
+    with Served(send_timeout=0.5) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        body = json.dumps({"stream": True, "events": 4096, "size": 16384}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(head + body)
+            time.sleep(3)  # read nothing: the server's writes stall, then it gives up
+            sock.settimeout(10)
+            received = 0
+            deadline = time.monotonic() + 30
+            while (chunk := sock.recv(1 << 20)) and time.monotonic() < deadline:
+                received += len(chunk)
+        assert received < 4096 * 16384 // 2, received  # it stopped long before the end
+        assert httpx.get(server.url + "/health").status_code == 200
+
+
+# --- shutdown ----------------------------------------------------------------------------------
+
+def test_shutdown_ends_open_requests_in_openai_shape() -> None:
+    with Served() as server:
+        results: dict[str, Any] = {}
+
+        def stream() -> None:
+            with httpx.stream("POST", server.url + "/v1/completions", headers=AUTH, timeout=30,
+                              json={"stream": True, "events": 1000, "interval": 0.05}) as r:
+                results["stream"] = [line for line in r.iter_lines() if line]
+
+        def waiting() -> None:
+            results["plain"] = server.post("/v1/completions", {"hang": 60})
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=waiting)]
+        for thread in threads:
+            thread.start()
+        time.sleep(1.0)
+        server.call(server.lifecycle.refuse, "shutdown", "The server is shutting down.")
+        refused = server.post("/v1/completions", {"prompt": "x"})
+        assert assert_openai_error(refused, 503)["code"] == "shutdown"
+        assert httpx.get(server.url + "/health").status_code == 503
+        assert server.call(server.lifecycle.cut, "shutdown", "The server is shutting down.") == 2
+        for thread in threads:
+            thread.join(20)
+        lines = results["stream"]
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "shutdown" and error["type"] == "server_error"
+        assert assert_openai_error(results["plain"], 503)["code"] == "shutdown"
 
 
 # --- merging the Bregman fields into vllm_xargs -------------------------------------------------
@@ -160,6 +553,7 @@ def test_valid_edge_values_are_accepted(fields: dict[str, Any]) -> None:
     assert BregmanParams.from_mapping(body["vllm_xargs"]) is not None
 
 
+
 # --- command line and settings ----------------------------------------------------------------
 
 @pytest.fixture
@@ -177,7 +571,7 @@ def test_cli_forwards_unknown_arguments_to_vllm_in_order(clean_env: pytest.Monke
         "--max-model-len", "2048", "--dtype", "bfloat16", "--enforce-eager",
         "--gpu-memory-utilization=0.9", "--default-mode", "primal", "--default-alpha", "1.5",
         "--default-lambda", "0.01"])
-    assert settings.embedded and settings.model == "/models/smollm2"
+    assert not settings.gateway and settings.model == "/models/smollm2"
     assert (settings.host, settings.port) == ("0.0.0.0", 8000)
     assert vllm_args == ["--max-model-len", "2048", "--dtype", "bfloat16", "--enforce-eager",
                          "--gpu-memory-utilization=0.9"]
@@ -187,7 +581,7 @@ def test_cli_forwards_unknown_arguments_to_vllm_in_order(clean_env: pytest.Monke
 def test_cli_upstream_mode_from_a_compose_command_line(clean_env: pytest.MonkeyPatch) -> None:
     settings, vllm_args = parse_args([
         "--upstream", "http://vllm-a:8000", "http://vllm-b:8000/v1/", "--host", "0.0.0.0"])
-    assert not settings.embedded and vllm_args == []
+    assert settings.gateway and vllm_args == []
     assert settings.upstream == ["http://vllm-a:8000", "http://vllm-b:8000"]
 
 
@@ -209,7 +603,7 @@ def test_environment_settings_and_flags_over_environment(clean_env: pytest.Monke
 
 
 @pytest.mark.parametrize("argv", [
-    [],  # embedded mode needs --model
+    [],  # vLLM in this process needs --model
     ["--upstream", "http://a:1", "--max-model-len", "5"],  # nothing to forward engine args to
     ["--model", "m", "--default-mode", "dual", "--default-alpha", "1"],  # adaptive dual: > 1
     ["--model", "m", "--default-lambda", "-1"],
@@ -230,209 +624,51 @@ def test_cli_flags_are_not_abbreviated(clean_env: pytest.MonkeyPatch) -> None:
     assert settings.model == "m" and vllm_args == ["--mod", "x"]
 
 
-def test_child_environment_keeps_user_values() -> None:
-    env = child_environment({"PATH": "/bin", "VLLM_CPU_KVCACHE_SPACE": "8"}, "k", 4)
-    assert env["VLLM_CPU_KVCACHE_SPACE"] == "8" and env["PATH"] == "/bin"
-    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and env["VLLM_API_KEY"] == "k"
-    env = child_environment({"VLLM_USE_V2_MODEL_RUNNER": "1"}, "k", 4)
-    assert env["VLLM_CPU_KVCACHE_SPACE"] == "4" and env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
 
 
-# --- the app in-process: errors, auth, limits, docs -------------------------------------------
 
-def make_client(**overrides: Any) -> TestClient:
-    """The real app, pointed at a closed loopback port (so every upstream is down)."""
-    settings = ServerSettings(upstream=[f"http://127.0.0.1:{free_port()}"], **overrides)
-    pool = UpstreamPool(settings.upstream, connect_timeout=0.5, health_timeout=0.5)
-    return TestClient(create_app(settings, pool), raise_server_exceptions=False)
+def test_vllm_gets_our_model_host_port_and_the_users_arguments_in_order(
+        clean_env: pytest.MonkeyPatch) -> None:
+    from bregman_server.engine import MIDDLEWARE_PATH, vllm_argv, vllm_namespace
 
-
-def assert_openai_error(response: Any, status: int, param: str | None = None) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["param"] == param
-    assert "Traceback" not in response.text
-    return error
-
-
-@pytest.mark.parametrize(("fields", "param"), INVALID)
-def test_invalid_field_is_an_openai_400(fields: dict[str, Any], param: str) -> None:
-    with make_client() as client:
-        for path in ("/v1/completions", "/v1/chat/completions"):
-            response = client.post(path, json={"model": "m", "prompt": "x", **fields})
-            error = assert_openai_error(response, 400, param)
-            assert error["type"] == "invalid_request_error"
-            assert param in error["message"]
+    settings, vllm_args = parse_args(["--model", str(ROOT / "models" / "tiny-llama"), "--port",
+                                      "8123", "--max-model-len", "512", "--enforce-eager",
+                                      "--api-key", "ours"])
+    argv = vllm_argv(settings, vllm_args)
+    assert argv[:6] == ["--model", str(ROOT / "models" / "tiny-llama"), "--host", "127.0.0.1",
+                        "--port", "8123"]
+    assert argv[6:9] == ["--max-model-len", "512", "--enforce-eager"]
+    namespace = vllm_namespace(settings, vllm_args)  # vLLM's own parser
+    assert namespace.port == 8123 and namespace.max_model_len == 512
+    assert MIDDLEWARE_PATH in namespace.middleware
+    assert not namespace.api_key  # our middleware guards every route with our key
 
 
-def test_alpha_error_message_names_the_allowed_range() -> None:
-    with make_client() as client:
-        response = client.post("/v1/completions", json={"prompt": "x", "bregman_alpha": -1})
-        assert "(0, inf)" in assert_openai_error(response, 400, "bregman_alpha")["message"]
-        response = client.post("/v1/completions",
-                               json={"prompt": "x", "bregman_mode": "dual", "bregman_alpha": 1})
-        assert "(1, inf)" in assert_openai_error(response, 400, "bregman_alpha")["message"]
+def test_cpu_builds_prefill_whole_prompts(tmp_path: Path) -> None:
+    from bregman_server.engine import CPU_MAX_MODEL_LEN, cpu_safe_engine_args
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))
+    assert cpu_safe_engine_args(str(model), ["--enforce-eager"]) == [
+        "--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "256"]
+    assert cpu_safe_engine_args("hub/model", []) == [
+        "--max-model-len", str(CPU_MAX_MODEL_LEN), "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens", str(CPU_MAX_MODEL_LEN)]
+    chosen = ["--enable-chunked-prefill", "--max-model-len", "64"]
+    assert cpu_safe_engine_args(str(model), chosen) == chosen
+    assert cpu_safe_engine_args(str(model), ["--max-model-len", "100"])[-1] == "100"
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b'{"a": NaN}', b"\xff\xfe"])
-def test_body_that_is_not_a_json_object_is_an_openai_400(raw: bytes) -> None:
-    with make_client() as client:
-        response = client.post("/v1/completions", content=raw,
-                               headers={"content-type": "application/json"})
-        assert_openai_error(response, 400)
+def test_installed_package_is_bregman_server() -> None:
+    from importlib.metadata import entry_points
 
-
-def test_body_size_limit() -> None:
-    with make_client(max_body_bytes=1000) as client:
-        response = client.post("/v1/completions", json={"prompt": "x" * 2000})
-        assert assert_openai_error(response, 413)["code"] == "request_too_large"
-
-        def chunked():  # no content-length: the limit is enforced while reading
-            for _ in range(10):
-                yield b" " * 200
-
-        response = client.post("/v1/completions", content=chunked())
-        assert_openai_error(response, 413)
-
-
-def test_api_key_is_required_when_configured() -> None:
-    with make_client(api_key="s3cret") as client:
-        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"},
-                        {"authorization": "Basic s3cret"}):
-            response = client.post("/v1/completions", json={"prompt": "x"}, headers=headers)
-            assert assert_openai_error(response, 401)["code"] == "invalid_api_key"
-            assert response.headers["www-authenticate"] == "Bearer"
-        # Pass-through routes are guarded too; probes and docs are not.
-        assert client.get("/v1/embeddings").status_code == 401
-        assert client.get("/metrics").status_code == 200
-        assert client.get("/openapi.json").status_code == 200
-        # The right key gets past auth (then 400 for the invalid field, before any upstream).
-        response = client.post("/v1/completions", json={"prompt": "x", "bregman_top_k": 0},
-                               headers={"authorization": "Bearer s3cret"})
-        assert_openai_error(response, 400, "bregman_top_k")
-
-
-def test_api_key_on_the_generation_routes_and_on_the_fastapi_routes_agree() -> None:
-    """The generation routes bypass FastAPI's dependencies (GenerationFastPath): the same key
-    check must hold there and on the routes FastAPI serves, chat included."""
-    with make_client(api_key="s3cret") as client:
-        for method, path in (("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
-                             ("GET", "/v1/models")):
-            for headers, status in (({"authorization": "bearer s3cret"}, None),
-                                    ({"authorization": "Bearer s3cret2"}, 401),
-                                    ({"authorization": "Bearer"}, 401)):
-                response = client.request(method, path, json={"prompt": "x"}, headers=headers)
-                if status is None:  # past auth: no upstream behind this app, so 503
-                    assert response.status_code == 503, (method, path, response.text)
-                else:
-                    assert_openai_error(response, status)
-
-
-def test_unexpected_error_on_a_generation_route_is_an_openai_500(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fault injection: a monkeypatched `apply_bregman` raises, since no request can make our
-    own handler fail. The answer is OpenAI's shape with no detail, and the server goes on."""
-    import server.app as app_module
-
-    def broken(body: dict[str, Any], defaults: Any) -> Any:
-        raise RuntimeError("internal detail")
-
-    monkeypatch.setattr(app_module, "apply_bregman", broken)
-    with make_client() as client:
-        for path in ("/v1/completions", "/v1/chat/completions"):
-            response = client.post(path, json={"prompt": "x"})
-            assert assert_openai_error(response, 500)["type"] == "server_error"
-            assert "internal detail" not in response.text
-        assert client.get("/health").status_code == 503  # still answering
-
-
-def test_no_healthy_upstream_is_an_openai_503_and_health_says_so() -> None:
-    with make_client() as client:
-        response = client.post("/v1/completions", json={"prompt": "x", "bregman_alpha": 2})
-        assert assert_openai_error(response, 503)["code"] == "upstream_unavailable"
-        health = client.get("/health")
-        assert health.status_code == 503 and health.json()["healthy_upstreams"] == 0
-        metrics = client.get("/metrics").text
-        assert 'bregman_server_upstream_errors_total{kind="unavailable",upstream="none"} 1.0' \
-            in metrics
-        assert 'bregman_server_upstream_healthy{upstream="http://127.0.0.1:' in metrics
-
-
-def test_unknown_routes_are_a_clear_openai_404() -> None:
-    with make_client() as client:
-        for method, path in (("GET", "/nope"), ("POST", "/sleep"), ("POST", "/collective_rpc"),
-                             ("POST", "/v1/load_lora_adapter")):
-            response = client.request(method, path)
-            error = assert_openai_error(response, 404)
-            assert "/v1/completions" in error["message"]
-
-
-def test_openapi_documents_every_bregman_field_on_both_endpoints() -> None:
-    with make_client(default_mode="primal", default_alpha=2.0, default_top_k=5) as client:
-        spec = client.get("/openapi.json").json()
-        assert client.get("/docs").status_code == 200
-    defaults = {"bregman_mode": "primal", "bregman_alpha": 2.0, "bregman_lambda": 0.01,
-                "bregman_top_k": 5, "bregman_k_max": None}
-    for path, model in (("/v1/completions", "CompletionRequest"),
-                        ("/v1/chat/completions", "ChatCompletionRequest")):
-        body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]
-        assert body["schema"]["$ref"] == f"#/components/schemas/{model}"
-        properties = spec["components"]["schemas"][model]["properties"]
-        for field in FIELD_SPECS:
-            prop = properties[field.name]
-            assert field.allowed in prop["description"]
-            assert field.default in prop["description"]
-            assert prop["default"] == defaults[field.name]
-    assert set(REQUEST_KEYS) == {field.name for field in FIELD_SPECS}
-    assert "/health" in spec["paths"] and "/metrics" in spec["paths"]
-
-
-# --- the child dies with us ---------------------------------------------------------------------
-
-def test_child_preexec_makes_the_child_die_with_its_parent(tmp_path: Path) -> None:
-    """A real parent (using the same preexec as the vLLM child) is SIGKILLed: its child goes."""
-    if not sys.platform.startswith("linux"):
-        pytest.skip("PR_SET_PDEATHSIG is Linux-only")
-    pid_file = tmp_path / "child.pid"
-    parent_code = textwrap.dedent(f"""
-        import subprocess, time
-        from server.embedded import _child_preexec
-        child = subprocess.Popen(["sleep", "120"], preexec_fn=_child_preexec())
-        open({str(pid_file)!r}, "w").write(str(child.pid))
-        time.sleep(120)
-    """)
-    parent = subprocess.Popen([sys.executable, "-c", parent_code], cwd=ROOT)
-    child_pid = None
-    try:
-        deadline = time.monotonic() + 30
-        while not (pid_file.exists() and pid_file.read_text()):
-            assert time.monotonic() < deadline and parent.poll() is None
-            time.sleep(0.05)
-        child_pid = int(pid_file.read_text())
-        assert os.getpgid(child_pid) == child_pid  # its own process group
-        parent.kill()
-        parent.wait()
-        deadline = time.monotonic() + 10
-        while _alive(child_pid):
-            assert time.monotonic() < deadline, "the child outlived its parent"
-            time.sleep(0.05)
-    finally:
-        parent.kill()
-        if child_pid is not None and _alive(child_pid):
-            os.kill(child_pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    scripts = [ep for ep in entry_points(group="console_scripts") if ep.name == "bregman-serve"]
+    assert [ep.value for ep in scripts] == ["bregman_server.cli:main"]
 
 
 def test_error_body_is_json_serializable_shape() -> None:
-    from server.errors import error_body, sse_error_event
+    from bregman_server.errors import error_body, sse_error_event
 
     assert error_body("m", param="p") == {"error": {"message": "m", "type":
                                                      "invalid_request_error", "param": "p",
@@ -444,107 +680,12 @@ def test_error_body_is_json_serializable_shape() -> None:
 
 
 def test_docs_reference_tables_are_generated_from_the_code() -> None:
-    from server.docs import render
+    from bregman_server.docs import render
 
     document = (ROOT / "docs" / "server.md").read_text()
-    assert render(document) == document, "run: python -m server.docs --write docs/server.md"
+    assert render(document) == document, "run: python -m bregman_server.docs --write docs/server.md"
     for spec in FIELD_SPECS:
         assert f"| `{spec.name}` |" in document
     assert "`BREGMAN_API_KEY`" in document and "`--default-mode`" in document
 
 
-def _run_cli(args: list[str], **kwargs: Any) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BREGMAN_")}
-    return subprocess.Popen([sys.executable, "-m", "server.cli", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            **kwargs)
-
-
-def test_taken_port_fails_before_starting_vllm() -> None:
-    import socket
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        process = _run_cli(["--model", "models/none", "--port", str(port)])
-        output, _ = process.communicate(timeout=60)
-    assert process.returncode == 1, output
-    assert "address in use" in output and "starting vLLM" not in output
-
-
-def test_upstream_mode_serves_and_stops_cleanly_on_sigterm() -> None:
-    import httpx
-
-    port = free_port()
-    process = _run_cli(["--upstream", f"http://127.0.0.1:{free_port()}", "--port", str(port),
-                        "--health-interval", "0.2"])
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.communicate()[0]
-            try:
-                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except httpx.HTTPError:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
-        assert health.status_code == 503  # nothing listens upstream
-        assert health.json()["reason"] == "no vLLM upstream answers /health"
-        process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=30)
-        assert process.returncode == 0, output
-        assert "Traceback" not in output
-    finally:
-        process.kill()
-
-
-def test_upstream_health_state_machine() -> None:
-    pool = UpstreamPool(["http://127.0.0.1:1", "http://127.0.0.1:2"])
-    a, b = pool.upstreams
-    for upstream in (a, b):
-        pool._set_health(upstream, None)
-    assert {u.url for u in pool.candidates()} == {a.url, b.url}
-    # Round-robin: successive requests start with different upstreams.
-    assert {pool.candidates()[0].url for _ in range(4)} == {a.url, b.url}
-    pool._set_health(a, "timeout", at_once=False)  # one slow health check: still in
-    assert a.healthy
-    pool._set_health(a, "timeout", at_once=False)  # two in a row: out
-    assert not a.healthy and [u.url for u in pool.candidates()] == [b.url]
-    pool._set_health(a, None)
-    assert a.healthy
-    pool.mark_down(b, "connect failed")  # a refused connection: out at once
-    assert [u.url for u in pool.candidates()] == [a.url]
-    pool.mark_down(a, "connect failed")
-    assert len(pool.candidates()) == 2  # none healthy: fail open, try them all
-    pool.force_down("the vLLM child exited with code -9")
-    assert pool.candidates() == [] and pool.healthy_count == 0
-
-
-def test_cpu_children_prefill_whole_prompts(tmp_path):
-    """vLLM 0.32 on CPU kills its engine when a seeded request's prompt is prefilled in chunks
-    ("CPU Generator does not use offset"), so a vllm-cpu child gets whole-prompt prefill unless
-    the user chose the batching; vLLM's own parser must accept the result."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    from server.embedded import CPU_MAX_MODEL_LEN, cpu_safe_engine_args
-
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text('{"max_position_embeddings": 2048}')
-    assert cpu_safe_engine_args(str(model), ["--dtype", "float32"]) == [
-        "--dtype", "float32", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048"]
-    long_model = tmp_path / "long"
-    long_model.mkdir()
-    (long_model / "config.json").write_text('{"max_position_embeddings": 131072}')
-    assert cpu_safe_engine_args(str(long_model), []) == [
-        "--max-model-len", str(CPU_MAX_MODEL_LEN), "--no-enable-chunked-prefill",
-        "--max-num-batched-tokens", str(CPU_MAX_MODEL_LEN)]
-    assert cpu_safe_engine_args("org/hub-model", ["--max-model-len=4096"])[-1] == "4096"
-    chosen = ["--enable-chunked-prefill", "--max-num-batched-tokens", "512"]
-    assert cpu_safe_engine_args(str(model), chosen) == chosen
-    parser = make_arg_parser(FlexibleArgumentParser())
-    parsed = parser.parse_args(["--model", str(model),
-                                *cpu_safe_engine_args(str(model), ["--enforce-eager"])])
-    assert parsed.enable_chunked_prefill is False and parsed.max_num_batched_tokens == 2048

@@ -1,10 +1,11 @@
-"""Request models of the two generation endpoints, for the OpenAPI schema (/docs, /openapi.json).
+"""The Bregman fields in the OpenAPI document (/docs, /openapi.json).
 
-The descriptions, ranges and defaults of the Bregman fields come from
-`bregman_vllm.params.FIELD_SPECS`, the one source of truth shared with the README and the vLLM
-processor. The server does not parse bodies into these models on the hot path: it reads the JSON,
-validates only the ``bregman_*`` fields (`server.bregman`) and forwards every other field
-unchanged, so the models allow extra fields and list only the common OpenAI ones.
+The descriptions, ranges and defaults come from `bregman_vllm.params.FIELD_SPECS`, the one source
+of truth shared with the README and the vLLM processor. `extend_openapi` adds them to the request
+schemas of vLLM's own app (in-process server, ``vllm serve --middleware``); the gateway documents
+its two generation routes with `CompletionRequest` / `ChatCompletionRequest`. Bodies are never
+parsed into these models: the middleware reads the JSON, validates the ``bregman_*`` fields and
+leaves every other field to vLLM.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from bregman_vllm.params import FIELD_SPECS, REQUEST_KEYS, FieldSpec
+
+from .settings import ServerSettings
 
 _SPECS: dict[str, FieldSpec] = {spec.name: spec for spec in FIELD_SPECS}
 
@@ -42,9 +45,11 @@ class BregmanFields(BaseModel):
     bregman_lambda: float | None = Field(
         None, ge=0, description=field_description("bregman_lambda"), examples=[0.01])
     bregman_top_k: int | None = Field(
-        None, ge=1, description=field_description("bregman_top_k"), examples=[20])
+        None, ge=1, le=2**31 - 1, description=field_description("bregman_top_k"),
+        examples=[20])
     bregman_k_max: int | None = Field(
-        None, ge=1, description=field_description("bregman_k_max"), examples=[100])
+        None, ge=1, le=2**31 - 1, description=field_description("bregman_k_max"),
+        examples=[100])
     vllm_xargs: dict[str, Any] | None = Field(
         None,
         description="vLLM's per-request extra arguments (SamplingParams.extra_args), forwarded "
@@ -86,17 +91,53 @@ class ChatCompletionRequest(_GenerationFields):
         None, ge=0, description="Maximum number of generated tokens (newer OpenAI name).")
 
 
-def openapi_components(server_defaults: dict[str, Any]) -> dict[str, Any]:
-    """JSON schemas of the request models for ``components.schemas``, with this server's
-    defaults filled in (they depend on its settings, so they are patched in at startup)."""
+def bregman_properties(settings: ServerSettings) -> dict[str, Any]:
+    """JSON schemas of the ``bregman_*`` fields, with this server's defaults filled in."""
+    schema = BregmanFields.model_json_schema()
+    server_defaults = settings.default_request_values()
+    properties = {}
+    for key in REQUEST_KEYS:
+        prop = dict(schema["properties"][key])
+        prop["default"] = server_defaults.get(key)
+        prop["description"] += f" This server's default: {json.dumps(server_defaults.get(key))}."
+        properties[key] = prop
+    return properties
+
+
+def openapi_components(settings: ServerSettings) -> dict[str, Any]:
+    """The gateway's request models for ``components.schemas``, with this server's defaults."""
     schemas: dict[str, Any] = {}
+    properties = bregman_properties(settings)
     for model in (CompletionRequest, ChatCompletionRequest):
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
-        for key in REQUEST_KEYS:
-            prop = schema["properties"][key]
-            value = server_defaults.get(key)
-            prop["default"] = value
-            prop["description"] += f" This server's default: {json.dumps(value)}."
+        schema["properties"].update(properties)
         schemas[model.__name__] = schema
     return schemas
+
+
+def extend_openapi(app: Any, settings: ServerSettings) -> None:
+    """Make ``app.openapi()`` (vLLM's app) list the Bregman fields in the request schema of every
+    route that takes them (`middleware.HONOURED_ROUTES`)."""
+    from .middleware import HONOURED_ROUTES
+
+    original = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = original()
+        if schema.get("x-bregman"):
+            return schema
+        properties = bregman_properties(settings)
+        components = schema.get("components", {}).get("schemas", {})
+        for path, item in schema.get("paths", {}).items():
+            if path not in HONOURED_ROUTES or "post" not in item:
+                continue
+            body = item["post"].get("requestBody", {}).get("content", {})
+            ref = body.get("application/json", {}).get("schema", {}).get("$ref", "")
+            target = components.get(ref.rsplit("/", 1)[-1])
+            if target is not None:
+                target.setdefault("properties", {}).update(properties)
+        schema["x-bregman"] = "bregman_* fields: see the request schemas"
+        return schema
+
+    app.openapi = openapi

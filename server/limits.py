@@ -1,0 +1,165 @@
+"""Bounded client connections: the uvicorn configuration both servers run with.
+
+Uvicorn's default HTTP implementation (httptools) takes request heads of any size and lets a
+client hold a connection open forever before it finishes its head. Both servers therefore run
+on h11 through `BoundedH11Protocol`, which adds, per connection:
+
+1. a cap on the request head (request line and headers): ``max_header_bytes``, answered 431;
+2. a deadline for a request head once a connection opens or a new request begins:
+   ``header_timeout`` seconds, answered 408 (slow-loris connections cannot pile up);
+3. a cap on open connections: ``max_connections``; one more is answered 503 and closed;
+4. OpenAI-shaped JSON bodies for these answers and for malformed requests (400), instead of
+   uvicorn's plain text.
+
+The body deadline, the body size and slow readers are bounded in the ASGI middleware
+(`bregman_server.middleware`), where the request is known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .errors import error_body
+from .settings import ServerSettings
+
+
+def _json(status: int, message: str, type: str, code: str) -> bytes:
+    return json.dumps(error_body(message, type, None, code)).encode()
+
+
+class BoundedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a head deadline, a connection cap and JSON error bodies.
+
+    The limits come from the uvicorn ``Config`` built by `uvicorn_config` (attributes
+    ``bregman_header_timeout`` and ``bregman_max_connections``).
+    """
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, *args, **kwargs)
+        self._header_timeout: float = config.bregman_header_timeout
+        self._max_connections: int = config.bregman_max_connections
+        self._max_head: int = config.h11_max_incomplete_event_size
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_seen = 0  # bytes of the current head so far
+        self._head_tail = b""  # its last bytes, where a blank line may begin
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self._max_connections:
+            self._answer(503, _json(503, "Too many open connections; retry later.",
+                                    "server_error", "too_many_connections"),
+                         extra=[(b"retry-after", b"1")])
+            return
+        self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE and self._head_too_long(data):
+            self._disarm_head_timer()
+            self._answer(431, _json(
+                431, f"Request line and headers larger than {self._max_head} bytes.",
+                "invalid_request_error", "request_header_fields_too_large"))
+            return
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self._arm_head_timer()  # bytes of a new head arrived: its deadline runs
+        else:
+            self._disarm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        self._disarm_head_timer()
+        if self._head_too_large():
+            self._answer(431, _json(
+                431, f"Request line and headers larger than {self._max_head} bytes.",
+                "invalid_request_error", "request_header_fields_too_large"))
+        else:
+            self._answer(400, _json(400, "Invalid HTTP request.", "invalid_request_error",
+                                    "invalid_http_request"))
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _head_too_long(self, data: bytes) -> bool:
+        """Whether the head being received (up to its blank line) passes the limit. h11's own
+        limit only counts a head that is still incomplete, so a whole head in one read would
+        pass it."""
+        window = self._head_tail + data
+        end = window.find(b"\r\n\r\n")
+        seen = self._head_seen + (len(data) if end < 0 else end + 4 - len(self._head_tail))
+        if seen > self._max_head:
+            return True
+        self._head_seen, self._head_tail = (seen, window[-3:]) if end < 0 else (0, b"")
+        return False
+
+    def _head_too_large(self) -> bool:
+        buffered = getattr(self.conn, "_receive_buffer", b"")
+        try:
+            return len(buffered) >= self._max_head
+        except TypeError:  # pragma: no cover - h11 internals changed
+            return False
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self._header_timeout, self._head_expired)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing():
+            return
+        if self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE:
+            self._answer(408, _json(
+                408, f"The request head did not arrive within {self._header_timeout:g} s.",
+                "invalid_request_error", "request_timeout"))
+
+    def _answer(self, status: int, body: bytes, extra: list[tuple[bytes, bytes]] | None = None
+                ) -> None:
+        """A complete JSON response through h11, then close the connection."""
+        self._unset_keepalive_if_required()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                   (b"content-length", str(len(body)).encode()), *(extra or [])]
+        try:
+            if self.conn.our_state is h11.IDLE and self.conn.their_state is not h11.ERROR:
+                self.transport.write(self.conn.send(h11.Response(status_code=status,
+                                                                 headers=headers)))
+            else:  # h11 refuses to answer a request it could not parse: a fresh writer
+                writer = h11.Connection(h11.SERVER)
+                writer.receive_data(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+                writer.next_event()
+                self.conn = writer
+                self.transport.write(writer.send(h11.Response(status_code=status,
+                                                              headers=headers)))
+            self.transport.write(self.conn.send(h11.Data(data=body)))
+            self.transport.write(self.conn.send(h11.EndOfMessage()))
+        except h11.LocalProtocolError:  # pragma: no cover - nothing more we can send
+            pass
+        self.transport.close()
+
+
+def uvicorn_config(app: Any, settings: ServerSettings, **overrides: Any) -> Any:
+    """The uvicorn ``Config`` of our servers: h11 with `BoundedH11Protocol` and our limits."""
+    import uvicorn
+
+    options: dict[str, Any] = dict(
+        host=settings.host, port=settings.port, log_level=settings.log_level,
+        access_log=settings.access_log, timeout_keep_alive=settings.keep_alive_timeout,
+        # Our own drain (`bregman_server.engine`) runs before uvicorn's shutdown starts.
+        timeout_graceful_shutdown=2.0,
+        h11_max_incomplete_event_size=settings.max_header_bytes,
+        http=BoundedH11Protocol, lifespan="on")
+    options.update(overrides)
+    config = uvicorn.Config(app, **options)
+    config.bregman_header_timeout = settings.header_timeout  # type: ignore[attr-defined]
+    config.bregman_max_connections = settings.max_connections  # type: ignore[attr-defined]
+    return config

@@ -1,0 +1,42 @@
+"""Running uvicorn under our own signal handling: shared by the in-process server
+(`bregman_server.engine`) and the gateway (`bregman_server.gateway`).
+
+Both servers install their SIGTERM / SIGINT handlers on the event loop themselves and shut down
+in the same order: refuse new requests (503, /health 503), let open ones finish for
+``graceful_timeout`` seconds, end the rest (a stream gets an error event and ``data: [DONE]``, a
+request still waiting for its answer a 503), then stop uvicorn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+from .middleware import Lifecycle
+
+logger = logging.getLogger("bregman_server")
+
+
+def http_server(config: Any) -> Any:
+    """uvicorn's server without its own signal handlers (ours are on the event loop)."""
+    import uvicorn
+
+    class NoSignalServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[no-untyped-def]
+            yield
+
+    return NoSignalServer(config)
+
+
+async def end_open_requests(lifecycle: Lifecycle, reason: str, message: str, grace: float
+                            ) -> None:
+    """Refuse new requests, give open ones ``grace`` seconds, end the rest (and let their final
+    bytes reach the clients)."""
+    lifecycle.refuse(reason, message)
+    left = await lifecycle.drain(grace)
+    if left:
+        logger.warning("ending %d open request(s): %s", left, reason)
+        lifecycle.cut(reason, message)
+        await lifecycle.drain(2.0)

@@ -1,0 +1,404 @@
+"""The reliability suite: every finding of the hostile review of issue 11, as a regression test
+against real `bregman-serve` processes (vLLM in-process, the tiny model, loopback only), plus a
+property-based fuzz of every request field and a bounded load run.
+
+Three servers start at once for the module: one that serves every test but the last two, one
+that is sent SIGTERM with requests in flight, and one whose engine process is killed. Every
+request loop is bounded in count and time. At the end the suite prints its figures (requests
+tried, 5xx answers, load held, faults survived, requests lost): docs/server.md records them.
+
+Run it alone with ``pytest -m reliability``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from .test_server_support import (
+    ServerProcess,
+    alive,
+    finite_top_logprobs,
+    require_tiny_model,
+    shut_down,
+)
+
+pytestmark = [pytest.mark.reliability, pytest.mark.server, pytest.mark.timeout(600)]
+
+MODEL = "models/tiny-llama"
+PROMPT = "ROMEO:\n"
+KEY = secrets.token_hex(8)
+AUTH = {"Authorization": f"Bearer {KEY}"}
+# Short deadlines, so that the tests of them are quick; long enough for a loaded 2-core machine.
+LIMITS = ["--header-timeout", "3", "--body-timeout", "5", "--max-header-bytes", "16384",
+          "--max-connections", "256", "--graceful-timeout", "1", "--engine-exit-grace", "1"]
+ENGINE = ["--logprobs-mode", "processed_logprobs", "--max-num-seqs", "32", "--enforce-eager",
+          "--max-model-len", "2048"]
+
+FIGURES: dict[str, Any] = {"requests": 0, "5xx": 0, "load_requests": 0, "load_ok": 0,
+                           "faults_survived": [], "lost": 0}
+
+
+class Servers:
+    def __init__(self, main: ServerProcess, draining: ServerProcess, dying: ServerProcess):
+        self.main, self.draining, self.dying = main, draining, dying
+
+    @property
+    def url(self) -> str:
+        return self.main.url
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory,
+            request: pytest.FixtureRequest) -> Iterator[Servers]:
+    require_tiny_model()
+    logs = tmp_path_factory.mktemp("reliability-logs")
+    made = [ServerProcess(["--model", MODEL, "--api-key", KEY, *LIMITS, *ENGINE],
+                          logs / f"{name}.log") for name in ("main", "draining", "dying")]
+    try:
+        for server in made:
+            server.start()
+        for server in made:
+            server.wait_healthy(timeout=600)
+        yield Servers(*made)
+    finally:
+        for server in made:
+            # The fault tests end two of them themselves, and check how.
+            with contextlib.suppress(AssertionError):
+                shut_down(server, expect_code=None)
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"reliability figures: {json.dumps(FIGURES)}")
+
+
+def post(url: str, body: Any, path: str = "/v1/completions", **kwargs: Any) -> httpx.Response:
+    kwargs.setdefault("headers", AUTH)
+    kwargs.setdefault("timeout", 60)
+    response = httpx.post(url + path, json=body, **kwargs)
+    FIGURES["requests"] += 1
+    FIGURES["5xx"] += response.status_code >= 500
+    return response
+
+
+def assert_openai_400(response: httpx.Response, param: str | None) -> None:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert {"message", "type", "param", "code"} <= set(error)
+    assert error["param"] == param, error
+    assert "Traceback" not in response.text
+
+
+# --- finding 1: no unguarded route, no second port ----------------------------------------------
+
+def test_vllms_unguarded_routes_need_the_key(servers: Servers) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    for path in ("/invocations", "/tokenize"):
+        assert httpx.post(servers.url + path, json=body, timeout=60).status_code == 401
+    for path in ("/metrics", "/load", "/openapi.json", "/docs"):
+        assert httpx.get(servers.url + path, timeout=60).status_code == 401
+    assert post(servers.url, body, "/invocations").status_code == 200
+
+
+# --- finding 2: one request cannot turn decoding off for its batch ------------------------------
+
+POISON = [({"bregman_top_k": 9223372036854775808}, "bregman_top_k"),
+          ({"bregman_k_max": 9223372036854775808}, "bregman_k_max"),
+          ({"vllm_xargs": {"bregman_top_k": 9223372036854775808}}, "bregman_top_k"),
+          ({"vllm_xargs": {"bregman_k_max": 2**31}}, "bregman_k_max")]
+
+
+def test_poison_requests_are_refused_and_their_batch_decodes(servers: Servers) -> None:
+    """8 requests with bregman_top_k=1 (at temperature 1) sent together with the poison ones:
+    every poison request is a 400 naming the field, and every step of the 8 keeps exactly one
+    token (a non-top-1 token was sampled in 123 of 246 steps before)."""
+    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 30, "temperature": 1.0,
+            "logprobs": 3, "ignore_eos": True}
+    good = {**base, "bregman_top_k": 1}
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        poison = [pool.submit(post, servers.url, {**base, **fields}) for fields, _ in POISON]
+        batch = [pool.submit(post, servers.url, {**good, "seed": i}) for i in range(8)]
+        for future, (_, param) in zip(poison, POISON, strict=True):
+            assert_openai_400(future.result(), param)
+        steps = 0
+        for future in batch:
+            response = future.result()
+            assert response.status_code == 200, response.text
+            entries = response.json()["choices"][0]["logprobs"]["top_logprobs"]
+            assert [finite_top_logprobs(entry) for entry in entries] == [1] * 30
+            steps += len(entries)
+    assert steps == 240
+
+
+# --- finding 3: bounded requests ----------------------------------------------------------------
+
+def _host_port(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_huge_request_header_is_a_431(servers: Servers) -> None:
+    response = httpx.get(servers.url + "/v1/models",
+                         headers={**AUTH, "x-filler": "a" * (1 << 20)}, timeout=60)
+    assert response.status_code == 431
+    assert response.json()["error"]["code"] == "request_header_fields_too_large"
+    assert httpx.get(servers.url + "/v1/models", headers=AUTH, timeout=60).status_code == 200
+
+
+def test_idle_partial_heads_cannot_exhaust_file_descriptors(servers: Servers) -> None:
+    """1,000 connections that never finish their head: beyond the connection cap they are
+    refused at once, the rest close at the head deadline, and the server's descriptors go back
+    to where they were."""
+    before = _open_fds(servers.main.pid)
+    sockets = []
+    try:
+        for _ in range(1000):
+            sock = socket.create_connection(_host_port(servers.url), timeout=5)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            sockets.append(sock)
+        time.sleep(5)  # past the 3 s head deadline
+        assert _open_fds(servers.main.pid) < before + 50
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert httpx.get(servers.url + "/v1/models", headers=AUTH, timeout=60).status_code == 200
+    FIGURES["faults_survived"].append("1000 idle partial heads")
+
+
+def test_body_shorter_than_content_length_is_a_408(servers: Servers) -> None:
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\":")
+    with socket.create_connection(_host_port(servers.url), timeout=15) as sock:
+        sock.sendall(head)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+
+
+# --- finding 5: 400s, never 500s ----------------------------------------------------------------
+
+@pytest.mark.parametrize(("raw", "param"), [
+    (b'{"model": "M", "prompt": "x", "bregman_top_k": "\xc2\xb2"}', "bregman_top_k"),
+    (b'{"model": "M", "prompt": "x", "bregman_alpha": 1' + b"0" * 400 + b"}", "bregman_alpha"),
+    (b'{"model": "M", "prompt": "x", "bregman_lambda": 1' + b"0" * 400 + b"}", "bregman_lambda"),
+    (b'{"model": "M", "prompt": "x", "bregman_alpha": 1' + b"0" * 400 + b".5}", "bregman_alpha"),
+    (b"[" * 100_000 + b"]" * 100_000, None),
+    (b'{"a":' * 100_000 + b"1" + b"}" * 100_000, None),
+])
+def test_hostile_values_are_400s(servers: Servers, raw: bytes, param: str | None) -> None:
+    raw = raw.replace(b'"M"', json.dumps(MODEL).encode())
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        response = httpx.post(servers.url + path, content=raw, timeout=60,
+                              headers={**AUTH, "content-type": "application/json"})
+        FIGURES["requests"] += 1
+        assert_openai_400(response, param)
+
+
+def test_lone_surrogate_prompt_with_bregman_fields_is_not_a_5xx(servers: Servers) -> None:
+    raw = json.dumps({"model": MODEL, "prompt": "a\ud800b", "max_tokens": 2,
+                      "bregman_alpha": 1.5}).encode()
+    response = httpx.post(servers.url + "/v1/completions", content=raw, timeout=60,
+                          headers={**AUTH, "content-type": "application/json"})
+    assert response.status_code in (200, 400), response.text
+    if response.status_code == 400:
+        assert "error" in response.json()
+    plain = json.dumps({"model": MODEL, "prompt": "a\ud800b", "max_tokens": 2}).encode()
+    baseline = httpx.post(servers.url + "/v1/completions", content=plain, timeout=60,
+                          headers={**AUTH, "content-type": "application/json"})
+    assert baseline.status_code == response.status_code  # same as vLLM alone says
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b""])
+def test_bodies_vllm_parses_itself_are_400s(servers: Servers, raw: bytes) -> None:
+    response = httpx.post(servers.url + "/v1/completions", content=raw, timeout=60,
+                          headers={**AUTH, "content-type": "application/json"})
+    FIGURES["requests"] += 1
+    assert 400 <= response.status_code < 500, response.text
+
+
+# --- the fuzz: every request field --------------------------------------------------------------
+
+JSON_SCALARS = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
+                | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=30)
+                | st.sampled_from(["inf", "-inf", "nan", "1e999", "²", "١", " 5 ", "0x10",
+                                   "primal", "dual", "off"]))
+JSON_VALUES = st.recursive(JSON_SCALARS, lambda children: st.lists(children, max_size=3)
+                           | st.dictionaries(st.text(max_size=8), children, max_size=3),
+                           max_leaves=6)
+BREGMAN_FIELDS = ["bregman_mode", "bregman_alpha", "bregman_lambda", "bregman_top_k",
+                  "bregman_k_max"]
+OTHER_FIELDS = ["temperature", "top_k", "top_p", "min_p", "seed", "n", "logprobs", "stop"]
+
+
+@st.composite
+def request_bodies(draw: Any) -> tuple[str, dict[str, Any]]:
+    path = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/invocations"]))
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": draw(st.integers(1, 3))}
+    if path == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = PROMPT
+    fields = draw(st.lists(st.sampled_from(BREGMAN_FIELDS + OTHER_FIELDS + ["vllm_xargs"]),
+                           min_size=1, max_size=4, unique=True))
+    for field in fields:
+        if field == "vllm_xargs":
+            body[field] = draw(st.dictionaries(st.sampled_from(BREGMAN_FIELDS), JSON_VALUES,
+                                               max_size=3) | JSON_VALUES)
+        elif field in BREGMAN_FIELDS:
+            body[field] = draw(JSON_VALUES)
+        else:
+            body[field] = draw(JSON_SCALARS)
+    return path, body
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=request_bodies())
+def test_fuzz_every_field_never_a_5xx(servers: Servers, case: tuple[str, dict[str, Any]]
+                                      ) -> None:
+    path, body = case
+    response = post(servers.url, body, path)
+    assert response.status_code < 500, (body, response.text)
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert {"message", "type", "param", "code"} <= set(error), response.text
+        bad = [key for key in BREGMAN_FIELDS if key in body or key in str(body.get("vllm_xargs"))]
+        if error["type"] == "invalid_request_error" and error["param"] in BREGMAN_FIELDS:
+            assert error["param"] in bad
+
+
+def test_healthy_after_the_fuzz(servers: Servers) -> None:
+    assert httpx.get(servers.url + "/health", timeout=60).status_code == 200
+    response = post(servers.url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 3,
+                                  "bregman_alpha": 1.5})
+    assert response.status_code == 200
+
+
+# --- load ----------------------------------------------------------------------------------------
+
+def test_load_240_requests_at_concurrency_32(servers: Servers) -> None:
+    configs = [{"bregman_alpha": 1.5}, {"bregman_mode": "dual", "bregman_alpha": 3},
+               {"bregman_top_k": 5, "bregman_alpha": "inf"}, {"bregman_mode": "off"}, {}]
+
+    def one(i: int) -> int:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 1.0,
+                "stream": i % 2 == 0, **configs[i % len(configs)]}
+        with httpx.Client(timeout=120, headers=AUTH) as client:
+            if body["stream"]:
+                with client.stream("POST", servers.url + "/v1/completions", json=body) as r:
+                    lines = [line for line in r.iter_lines() if line]
+                    ok = r.status_code == 200 and lines[-1] == "data: [DONE]"
+                    return 200 if ok else 599
+            return client.post(servers.url + "/v1/completions", json=body).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        statuses = list(pool.map(one, range(240)))
+    FIGURES["load_requests"] += len(statuses)
+    FIGURES["load_ok"] += statuses.count(200)
+    FIGURES["requests"] += len(statuses)
+    FIGURES["5xx"] += sum(status >= 500 for status in statuses)
+    assert statuses.count(200) == 240, statuses
+
+
+# --- finding 6: shutdown and faults --------------------------------------------------------------
+
+def _in_flight(url: str) -> tuple[threading.Thread, threading.Thread, dict[str, Any]]:
+    """A long stream and a long non-streaming request, running."""
+    results: dict[str, Any] = {}
+    long = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "n": 4}
+
+    def stream() -> None:
+        with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True},
+                          headers=AUTH, timeout=120) as response:
+            results["stream"] = (response.status_code,
+                                 [line for line in response.iter_lines() if line])
+
+    def waiting() -> None:
+        response = httpx.post(url + "/v1/completions", json=long, headers=AUTH, timeout=120)
+        results["plain"] = (response.status_code, response.text)
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=waiting)]
+    for thread in threads:
+        thread.start()
+    return threads[0], threads[1], results
+
+
+def _assert_ended_in_openai_shape(results: dict[str, Any], code: str) -> None:
+    status, lines = results["stream"]
+    assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert error["code"] == code and error["type"] == "server_error"
+    status, text = results["plain"]
+    assert status == 503, text
+    assert json.loads(text)["error"]["code"] == code
+
+
+def test_sigterm_drains_then_ends_open_requests(servers: Servers) -> None:
+    server = servers.draining
+    stream, waiting, results = _in_flight(server.url)
+    time.sleep(1.5)  # both are being generated (2000 tokens x 4 take far longer than 1 s grace)
+    server.remember_descendants()
+    os.kill(server.pid, signal.SIGTERM)
+    stream.join(60)
+    waiting.join(60)
+    _assert_ended_in_openai_shape(results, "shutdown")
+    assert server.process is not None and server.process.wait(60) == 0
+    assert not server.leftovers(), "engine processes left behind"
+    FIGURES["faults_survived"].append("SIGTERM with requests in flight")
+
+
+def test_engine_death_is_a_503_then_exit_3_with_nothing_left(servers: Servers) -> None:
+    server = servers.dying
+    stream, waiting, results = _in_flight(server.url)
+    time.sleep(1.5)
+    engines = [pid for pid in server.remember_descendants() if _comm(pid).startswith("VLLM::Eng")]
+    assert engines, "no engine process found"
+    for pid in engines:
+        os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    health = None
+    while time.monotonic() - killed < 5:
+        try:
+            health = httpx.get(server.url + "/health", timeout=1).status_code
+        except httpx.HTTPError:
+            health = None
+        if health == 503:
+            break
+        time.sleep(0.05)
+    assert health == 503 and time.monotonic() - killed < 1.5
+    response = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=10,
+                          json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+    assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
+    stream.join(60)
+    waiting.join(60)
+    _assert_ended_in_openai_shape(results, "engine_dead")
+    assert server.process is not None and server.process.wait(60) == 3
+    # The server stops what is left (the killed engine core's worker) before it exits.
+    assert not [pid for pid in server.seen if alive(pid)], "engine processes left behind"
+    FIGURES["faults_survived"].append("engine process killed")
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as comm:
+            return comm.read().strip()
+    except OSError:
+        return ""
