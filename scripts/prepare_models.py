@@ -41,8 +41,9 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
 CACHE = MODELS / ".cache"
 STAMP = ".prepared.json"
-# The data set lives beside the repository (never copied into it); an env var can point elsewhere.
-DEFAULT_DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+# Vendored in the repository (data/README.md: public domain, from karpathy/char-rnn); an env var
+# can point elsewhere.
+DEFAULT_DATA = ROOT / "data" / "tinyshakespeare" / "input.txt"
 DATA_ENV = "BREGMAN_TINYSHAKESPEARE"
 
 # Bump a recipe string whenever the corresponding build changes: stale models are then rebuilt.

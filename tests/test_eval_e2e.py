@@ -1,7 +1,7 @@
 """End to end: `bregman-eval run` and `plot` against a real server with the tiny model.
 
-The fixture starts our server (``python -m server.cli``, which runs vLLM as its child) on a
-loopback port with
+The fixture starts our server (`tests/test_server_support.ServerProcess`, vLLM's engine
+included) on a loopback port with
 ``--logprobs-mode processed_logprobs`` (the engine then reports k* through its logprobs) and
 ``--dtype float32`` (so the offline transformers recomputation of k* sees the same numbers)
 and without chunked prefill (see ENGINE_ARGS).

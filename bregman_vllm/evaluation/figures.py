@@ -14,6 +14,8 @@ Each function writes one PNG (matplotlib, Agg backend) and returns its path:
 * `plot_gaps_vs_k`       the text-generation figure: perplexity and repetition gaps against k from
                          an evaluation result (fixed-k rows; adaptive rows at their mean k*).
 * `plot_kstar_hist`      the distribution of k* of each adaptive configuration in a result.
+* `plot_temperature_sweep`  the temperature claim: one metric's gap against T, adaptive primal
+                         decoding vs its matched top-k, one panel per (alpha, lambda).
 
 Divergences are computed directly in float64 from the generator
 phi_alpha(x) = x^alpha / (alpha (alpha - 1)) (alpha = 1: x log x):
@@ -292,6 +294,57 @@ def plot_kstar_hist(result: dict[str, Any], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def plot_temperature_sweep(sweep: dict[str, Any], metric: str, path: Path,
+                           title: str = "") -> Path:
+    """``metric``'s gap (``ppl_gap`` or ``rep_gap``) against the temperature for each
+    (alpha, lambda) of a sweep (`sweep.analyze`): adaptive primal decoding (solid) and its
+    matched top-k (dashed, labelled with k at each T), bootstrap std as error bars."""
+    groups = sweep["groups"]
+    columns = min(2, len(groups))
+    rows = math.ceil(len(groups) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.6 * columns, 4.0 * rows), squeeze=False,
+                             sharex=True)
+    names = {"ppl_gap": "perplexity gap  E[ppl(human)] - E[ppl(gen)]",
+             "rep_gap": "repetition gap  P(rep gen) - P(rep human)"}
+    for ax, group in zip(axes.flat, groups, strict=False):
+        ts = [row["temperature"] for row in group["rows"]]
+        for key, style, label in (("bregman_gaps", "-o", "adaptive primal"),
+                                  ("topk_gaps", "--s", "matched top-k")):
+            ys = [row[key][metric]["value"] for row in group["rows"]]
+            errs = [row[key][metric]["std"] or 0.0 for row in group["rows"]]
+            ax.errorbar(ts, ys, yerr=errs, fmt=style, capsize=3, label=label)
+        for row in group["rows"]:
+            value = row["topk_gaps"][metric]["value"]
+            if value is not None:
+                ax.annotate(f"k={row['k']}", (row["temperature"], value), fontsize=7,
+                            textcoords="offset points", xytext=(4, -10))
+        ax.axhline(0.0, color="0.5", lw=1, ls=":")
+        ax.set_title(f"alpha = {group['alpha']:g}, lambda = {group['lam']:g}, "
+                     f"k_max = {group['k_max']}", fontsize=10)
+        ax.set_xlabel("temperature T")
+        ax.set_ylabel(names.get(metric, metric), fontsize=8)
+        ax.set_xticks(ts)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(groups):]:
+        ax.set_visible(False)
+    fig.suptitle(title or f"{names.get(metric, metric).split('  ')[0]} against temperature "
+                 f"({sweep['prompts']} prompts; error bars: bootstrap std)")
+    return _save(fig, path)
+
+
+def sweep_figures(sweep: dict[str, Any], out: Path, model: str = "") -> list[Path]:
+    """The two figures of a temperature sweep: sweep_ppl_gap.png and sweep_rep_gap.png."""
+    made = []
+    model = Path(model).name if model else ""  # a served path: its last component
+    for metric, name in (("ppl_gap", "Perplexity gap"), ("rep_gap", "Repetition gap")):
+        title = (f"{name} against T: adaptive primal vs matched top-k"
+                 f"{' (' + model + ')' if model else ''}\n{sweep['prompts']} prompts; "
+                 "error bars: bootstrap std")
+        made.append(plot_temperature_sweep(sweep, metric, out / f"sweep_{metric}.png", title))
+    return made
+
+
 def theory_figures(out: Path) -> list[Path]:
     """The four figures that need no evaluation result."""
     out.mkdir(parents=True, exist_ok=True)
@@ -306,8 +359,14 @@ def theory_figures(out: Path) -> list[Path]:
 def result_figures(result: dict[str, Any], out: Path) -> list[Path]:
     """The figures drawn from an evaluation result (those that apply)."""
     out.mkdir(parents=True, exist_ok=True)
-    made = [plot_gaps_vs_k(result, out / "gaps_vs_k.png"),
-            plot_kstar_hist(result, out / "kstar_hist.png")]
+    if result.get("temperature_sweep"):
+        # gaps against k would mix every temperature in one panel: the sweep has its own.
+        made = [*sweep_figures(result["temperature_sweep"], out,
+                               str(result.get("meta", {}).get("model", ""))),
+                plot_kstar_hist(result, out / "kstar_hist.png")]
+    else:
+        made = [plot_gaps_vs_k(result, out / "gaps_vs_k.png"),
+                plot_kstar_hist(result, out / "kstar_hist.png")]
     return [p for p in made if p is not None]
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from .client import EndpointClient, LocalTokenizer, Tokenizer, gather_bounded
 from .configs import DecodingConfig, matched_baseline
+from .corpus import ROOT
 from .kstar import LocalKStar, agreement, common_prefix_length
 from .metrics import (
     BOOTSTRAP_RESAMPLES,
@@ -37,6 +38,7 @@ from .tasks import (
     DEFAULT_CORPUS,
     DEFAULT_FEWSHOT,
     DEFAULT_GSM8K,
+    MIN_CONTINUATION,
     PROMPT_TOKENS,
     GSM8KSample,
     OpenSample,
@@ -72,6 +74,7 @@ class RunOptions:
     prompt_tokens: int = PROMPT_TOKENS
     corpus: Path = DEFAULT_CORPUS
     corpus_field: str = "text"
+    min_continuation: int = MIN_CONTINUATION
     gsm8k_path: Path = DEFAULT_GSM8K
     fewshot_path: Path = DEFAULT_FEWSHOT
     limit: int | None = 50
@@ -107,7 +110,8 @@ class RunOptions:
             "concurrency": self.concurrency, "bootstrap_resamples": self.resamples,
             "open": {"passages": self.passages, "prompt_tokens": self.prompt_tokens,
                      "max_tokens": self.max_tokens, "corpus": _short_path(self.corpus),
-                     "corpus_field": self.corpus_field},
+                     "corpus_field": self.corpus_field,
+                     "min_continuation": self.min_continuation},
             "gsm8k": {"limit": self.limit, "max_tokens": self.gsm8k_max_tokens,
                       "shots": 8, "test": _short_path(self.gsm8k_path),
                       "fewshot": _short_path(self.fewshot_path)},
@@ -119,16 +123,39 @@ class RunOptions:
 
 
 def _short_path(path: Path) -> str:
-    """Paths under the shared data directory are recorded relative to the repository."""
-    text = str(path)
-    marker = "/shared/data/"
-    return "../shared/data/" + text.split(marker, 1)[1] if marker in text else text
+    """Paths inside the repository are recorded relative to it (``data/...``)."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+class _LineWriter:
+    """A file for tqdm that ends every refresh with a newline: in a log file (no terminal) each
+    update is then one readable line with the rate and the ETA instead of carriage returns."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").strip()
+        if text:
+            self.stream.write(text + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
 
 
 def _progress(total: int, desc: str, enabled: bool) -> Any:
+    """A progress bar with rate and ETA on stderr; without a terminal, one line every 30 s."""
+    import sys
+
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit="req", disable=not enabled, dynamic_ncols=True)
+    if sys.stderr.isatty():
+        return tqdm(total=total, desc=desc, unit="req", disable=not enabled, dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit="req", disable=not enabled, ascii=True,
+                file=_LineWriter(sys.stderr), mininterval=30.0, ncols=100)
 
 
 class _KStar:
@@ -257,6 +284,20 @@ def open_row(config: DecodingConfig, passages: Sequence[Passage], samples: Seque
     }
 
 
+def per_prompt(passages: Sequence[Passage], samples: dict[str, list[OpenSample]],
+               ) -> dict[str, Any]:
+    """The per-prompt values behind the open-ended rows (paired by prompt), so that any paired
+    statistic (e.g. the temperature sweep's differences of gaps) can be bootstrapped later:
+    the human continuation's perplexity and rep, and each configuration's (ppl is None for an
+    empty generation)."""
+    return {
+        "human_ppl": [p.human_ppl for p in passages],
+        "human_rep": [int(p.human_rep) for p in passages],
+        "configs": {label: {"ppl": [s.ppl for s in rows], "rep": [int(s.rep) for s in rows]}
+                    for label, rows in samples.items()},
+    }
+
+
 def gsm8k_row(config: DecodingConfig, samples: Sequence[GSM8KSample],
               kstar: dict[str, Any] | None, resamples: int, seed: int) -> dict[str, Any]:
     """One GSM8K result row: accuracy in percent with its bootstrap standard deviation."""
@@ -338,7 +379,8 @@ async def _run_task(task: _TaskRun, configs: list[DecodingConfig], options: RunO
         for example, sample in zip(task.examples, samples[config.label], strict=True):
             samples_log.append(_sample_record(task.name, config, example, sample))
     return {"results": rows, "matched": matched, "wall_s": time.perf_counter() - started,
-            "generated_tokens": sum(len(s.token_ids) for v in samples.values() for s in v)}
+            "generated_tokens": sum(len(s.token_ids) for v in samples.values() for s in v),
+            "samples": samples}
 
 
 def _sample_record(task: str, config: DecodingConfig, example: Any, sample: Any,
@@ -394,7 +436,12 @@ async def _open_task(client: EndpointClient, tokenizer: Tokenizer, options: RunO
     passages = await load_passages(
         tokenizer, count=options.passages, continuation_tokens=options.max_tokens,
         corpus=options.corpus, field_name=options.corpus_field,
-        prompt_tokens=options.prompt_tokens, seed=options.seed)
+        prompt_tokens=options.prompt_tokens, seed=options.seed,
+        min_continuation=options.min_continuation)
+    if len(passages) < options.passages:
+        logger.warning("the corpus has only %d documents with %d + %d tokens (asked for %d)",
+                       len(passages), options.prompt_tokens, options.min_continuation,
+                       options.passages)
     bar = _progress(len(passages), "open: score human text", options.progress)
     try:
         await score_passages(client, passages, bar)
@@ -422,6 +469,7 @@ async def _open_task(client: EndpointClient, tokenizer: Tokenizer, options: RunO
                                         seed=options.seed)),
         "mean_length": sum(len(p.human_ids) for p in passages) / max(1, len(passages)),
     }
+    out["per_prompt"] = per_prompt(passages, out.pop("samples"))
     return out
 
 
@@ -442,6 +490,7 @@ async def _gsm8k_task(client: EndpointClient, tokenizer: Tokenizer, options: Run
 
     task = _TaskRun("gsm8k", problems, [p.prompt_ids for p in problems], sample, row)
     out = await _run_task(task, options.configs, options, kstar, all_configs, samples_log)
+    del out["samples"]
     out["problems"] = len(problems)
     out["mean_prompt_tokens"] = sum(len(p.prompt_ids) for p in problems) / max(1, len(problems))
     return out

@@ -4,9 +4,10 @@ Open-ended generation
     Prompts are the first ``prompt_tokens`` (35) tokens of human-written documents; the model
     continues each for up to ``max_tokens`` tokens (256 in the paper). Each continuation, human
     and generated, is scored by the base model through the endpoint (prefill-only requests), giving
-    ppl(Y) = p_base(Y | X)^(-1/|Y|), and checked for rep(Y). The default corpus is tinyshakespeare,
-    cut into documents of consecutive speeches; any jsonl corpus (one document per line, a text
-    field) can be given instead.
+    ppl(Y) = p_base(Y | X)^(-1/|Y|), and checked for rep(Y). The default corpus is WikiText-2
+    (`corpus`: detokenized passages without ``<unk>``, modern encyclopedic English standing in
+    for the paper's WebText); tinyshakespeare (documents of consecutive speeches) or any jsonl
+    corpus (one document per line, a text field) can be given instead.
 
 GSM8K
     8-shot chain of thought (the exemplars of ``fewshot_train8.jsonl``, in the
@@ -29,13 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from .client import EndpointClient, Generation, Tokenizer
+from .corpus import CORPORA, DATA, DEFAULT_CORPUS_NAME
 from .metrics import exact_match, gsm8k_target, has_repetition, perplexity
 
-ROOT = Path(__file__).resolve().parents[2]
-DATA = ROOT.parent / "shared" / "data"
-DEFAULT_CORPUS = DATA / "tinyshakespeare" / "input.txt"
+DEFAULT_CORPUS = CORPORA[DEFAULT_CORPUS_NAME]
 DEFAULT_GSM8K = DATA / "gsm8k" / "test.jsonl"
 DEFAULT_FEWSHOT = DATA / "gsm8k" / "fewshot_train8.jsonl"
+#: Documents must hold at least this many tokens after the prompt (``min_continuation``).
+MIN_CONTINUATION = 16
 
 PROMPT_TOKENS = 35
 GSM8K_STOP = ("Question:", "\n\n")
@@ -103,14 +105,19 @@ async def load_passages(
     field_name: str = "text",
     prompt_tokens: int = PROMPT_TOKENS,
     seed: int = 0,
+    min_continuation: int = MIN_CONTINUATION,
 ) -> list[Passage]:
     """``count`` documents drawn at random (seeded) from the corpus, each tokenized and split
     into ``prompt_tokens`` prompt tokens and up to ``continuation_tokens`` human tokens.
 
     The prompt starts with the tokenizer's own special prefix (BOS, when it adds one) and the
     split happens on the tokenization of the whole document, so the human continuation is exactly
-    what follows the prompt. Documents shorter than the prompt plus 16 tokens are skipped.
+    what follows the prompt. Documents with fewer than ``min_continuation`` tokens after the
+    prompt are skipped (``min_continuation = continuation_tokens``: every human continuation has
+    the full length). Fewer than ``count`` passages come back when the corpus runs out.
     """
+    if min_continuation < 1:
+        raise ValueError("min_continuation must be >= 1")
     docs = corpus_documents(corpus, field_name,
                             min_chars=max(400, 8 * (prompt_tokens + continuation_tokens)))
     if not docs:
@@ -123,7 +130,7 @@ async def load_passages(
         if len(passages) == count:
             break
         ids = await tokenizer.tokenize(docs[doc_index], add_special_tokens=False)
-        if len(ids) < prompt_tokens + 16:
+        if len(ids) < prompt_tokens + min_continuation:
             continue
         passages.append(Passage(len(passages), prefix + ids[:prompt_tokens],
                                 ids[prompt_tokens:prompt_tokens + continuation_tokens]))
