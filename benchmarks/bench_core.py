@@ -14,21 +14,43 @@ ratios to ``torch.softmax`` over the same [B, V] tensor:
 Targets (this CPU): adaptive primal alpha = 1.5 at [64, 128256] within 3x one softmax pass; dual
 within 6x.
 
-    python benchmarks/bench_core.py            # the full table
+Then the GPU-readiness table (``--step-shapes``, default [64, 128256] and [256, 128256]): for
+each configuration of issue 10, one `bregman_decode_logits` call (the processor's path) beside
+``torch.softmax``, ``torch.topk`` and ``torch.sort`` on the same logits, with
+
+* ``gpu ms``: device time between two CUDA events around the call (CUDA only);
+* ``wall ms``: host time from the call to the end of its work (``torch.cuda.synchronize``);
+* ``x sm``: GPU time (CPU: wall time) over the softmax pass's;
+* ``syncs`` / ``launch``: host syncs and launched ops of one call
+  (`bregman_vllm.diagnostics.DispatchCounter`, eager path);
+* ``peak MiB``: peak extra memory of one call, output included (CUDA: the allocator's peak;
+  CPU: `bregman_vllm.diagnostics.MemoryTracker`), beside `step_memory_bound`;
+* ``check``: the largest |q - q64| against the float64 exact path on the CPU (`core.exact`),
+  and ``k`` whether every support size agrees.
+
+It needs torch alone (vLLM's top-p column is skipped without vLLM). ``--compile 1`` times the
+torch.compile'd fixed-shape groups (``BREGMAN_COMPILE=1``; compiled once in the warm-up),
+``--compile both`` eager and compiled side by side.
+
+    python benchmarks/bench_core.py            # the full CPU table
     python benchmarks/bench_core.py --quick    # small sizes (smoke test)
-    python benchmarks/bench_core.py --device cuda --batch 256  # on a GPU
+    python benchmarks/bench_core.py --device cuda --batch 64 256 --vocab 128256 --compile both
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
-from bregman_vllm import bregman_decode
+from bregman_vllm import bregman_decode, bregman_decode_logits
+from bregman_vllm.core.exact import decode_exact, exact_plan
+from bregman_vllm.core.step import step_memory_bound
+from bregman_vllm.diagnostics import DispatchCounter, MemoryTracker
 
 
 def realistic_probs(batch: int, vocab: int, device: str, seed: int = 0,
@@ -48,11 +70,11 @@ def describe(p: torch.Tensor) -> str:
 
 def timer(fn: Callable[[], object], device: str) -> Callable[[], float]:
     def run() -> float:
-        if device == "cuda":
+        if device.startswith("cuda"):
             torch.cuda.synchronize()
         start = time.perf_counter()
         fn()
-        if device == "cuda":
+        if device.startswith("cuda"):
             torch.cuda.synchronize()
         return time.perf_counter() - start
     return run
@@ -99,6 +121,149 @@ def decode_cases(p: torch.Tensor, logits: torch.Tensor, top_p, device: str
     return cases
 
 
+# ----------------------------------------------------------------------------- GPU readiness
+
+#: Issue 10's configurations (keyword arguments of `bregman_decode_logits`); the first is the
+#: default of `bregman_vllm.params` (primal, alpha 1.5, lambda 0.01).
+STEP_CONFIGS: dict[str, dict] = {
+    "default primal a=1.5 lam=1e-2": dict(alpha=1.5, lam=1e-2),
+    **{f"primal a={a:g} lam={lam:g}{' k_max=50' if cap else ''}": dict(
+        alpha=a, lam=lam, **({"k_max": 50} if cap else {}))
+       for a in (1.0, 1.5, 2.0, 3.0) for lam in (1e-3, 1e-2) for cap in (False, True)
+       if not (a == 1.5 and lam == 1e-2 and not cap)},
+    "dual a=1.5 lam=1e-2": dict(alpha=1.5, lam=1e-2, mode="dual"),
+    "dual a=1.5 lam=1e-3": dict(alpha=1.5, lam=1e-3, mode="dual"),
+    "top_k=50 a=1.5": dict(alpha=1.5, lam=0.0, top_k=50),
+}
+
+
+def timed(fn: Callable[[], object], device: str, repeats: int) -> tuple[float, float]:
+    """Median (device seconds, wall seconds) of ``fn``; device time from CUDA events on CUDA
+    (the wall time elsewhere). Each run starts on an idle device."""
+    cuda = device.startswith("cuda")
+    fn()  # warm-up (and compilation)
+    gpu, wall = [], []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+            start_event = torch.cuda.Event(enable_timing=True)
+            end_event = torch.cuda.Event(enable_timing=True)
+            start = time.perf_counter()
+            start_event.record()
+            fn()
+            end_event.record()
+            torch.cuda.synchronize()
+            wall.append(time.perf_counter() - start)
+            gpu.append(start_event.elapsed_time(end_event) / 1e3)
+        else:
+            start = time.perf_counter()
+            fn()
+            wall.append(time.perf_counter() - start)
+            gpu.append(wall[-1])
+    return statistics.median(gpu), statistics.median(wall)
+
+
+def counts(fn: Callable[[], object]) -> tuple[int, int]:
+    """(host syncs, launched ops) of one eager call."""
+    previous = os.environ.get("BREGMAN_COMPILE")
+    os.environ["BREGMAN_COMPILE"] = "0"  # a dispatch mode sees eager ops only
+    try:
+        with DispatchCounter() as counter:
+            fn()
+    finally:
+        if previous is None:
+            del os.environ["BREGMAN_COMPILE"]
+        else:
+            os.environ["BREGMAN_COMPILE"] = previous
+    return counter.syncs, counter.launches
+
+
+def peak_extra(fn: Callable[[], object], device: str) -> int:
+    """Peak bytes allocated by one call beyond what was allocated before (output included)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    with MemoryTracker() as memory:
+        fn()
+    return memory.peak
+
+
+def float64_check(logits: torch.Tensor, kwargs: dict) -> tuple[float, bool]:
+    """Largest |q - q64| of the device output against the float64 exact path on the CPU, and
+    whether every row's support size agrees."""
+    out, k = bregman_decode_logits(logits, return_k=True, **kwargs)
+    cpu = logits.detach().to("cpu", torch.float64)
+    n = cpu.shape[0]
+    p = torch.softmax(cpu, -1)
+    want = torch.zeros_like(p)
+    k_want = torch.zeros(n, dtype=torch.long)
+
+    def row(value) -> torch.Tensor:
+        return torch.full((n,), float(value), dtype=torch.float64)
+
+    top = int(kwargs.get("top_k") or 0)
+    cap = int(kwargs.get("k_max") or 0)
+    fixed = min(top, cap) if top and cap else top
+    if not top and cap and kwargs["lam"] == 0.0:
+        fixed = cap
+    sizes = torch.full((n,), fixed, dtype=torch.long)
+    plan = exact_plan(kwargs.get("mode", "primal"), row(kwargs["alpha"]), row(kwargs["lam"]),
+                      sizes, torch.full((n,), cap, dtype=torch.long))
+    decode_exact(want, k_want, p, plan, torch.exp)
+    q = torch.exp(out.detach().to("cpu", torch.float64))
+    return float((q - want).abs().max()), bool(torch.equal(k.cpu(), k_want))
+
+
+def step_table(batch: int, vocab: int, device: str, repeats: int, compile_modes: list[str]
+               ) -> None:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    scale = 3.0 + 4.0 * torch.rand(batch, 1, generator=g)
+    logits = (torch.randn(batch, vocab, generator=g) * scale).to(device)
+    bound = step_memory_bound(batch, vocab)
+    print(f"\n[{batch}, {vocab}] one call of bregman_decode_logits; step_memory_bound "
+          f"{bound / 2**20:.0f} MiB")
+    print(f"{'case':<34} {'gpu ms':>8} {'wall ms':>8} {'x sm':>6} {'syncs':>5} {'launch':>6} "
+          f"{'peak MiB':>8} {'check':>8} {'k':>3}")
+    baselines: dict[str, Callable[[], object]] = {
+        "torch.softmax": lambda: torch.softmax(logits, -1),
+        "torch.topk k=64": lambda: torch.topk(logits, 64, -1),
+        "torch.sort": lambda: torch.sort(logits, -1, descending=True),
+    }
+    base = None
+    for name, fn in baselines.items():
+        gpu, wall = timed(fn, device, repeats)
+        base = base or gpu
+        syncs, launches = counts(fn)
+        print(f"{name:<34} {gpu * 1e3:8.3f} {wall * 1e3:8.3f} {gpu / base:6.2f} {syncs:5d} "
+              f"{launches:6d} {peak_extra(fn, device) / 2**20:8.1f}")
+    previous = os.environ.get("BREGMAN_COMPILE")
+    try:
+        for name, kwargs in STEP_CONFIGS.items():
+            def call(kwargs=kwargs):
+                return bregman_decode_logits(logits, **kwargs)
+
+            os.environ["BREGMAN_COMPILE"] = "0"  # counts, check and peak: the eager path
+            syncs, launches = counts(call)
+            error, same_k = float64_check(logits, kwargs)
+            peak = peak_extra(call, device)
+            for mode in compile_modes:
+                os.environ["BREGMAN_COMPILE"] = mode
+                gpu, wall = timed(call, device, repeats)
+                label = name + (" [compiled]" if mode == "1" else "")
+                print(f"{label:<34} {gpu * 1e3:8.3f} {wall * 1e3:8.3f} {gpu / base:6.2f} "
+                      f"{syncs:5d} {launches:6d} {peak / 2**20:8.1f} {error:8.1e} "
+                      f"{'ok' if same_k else 'NO':>3}")
+    finally:
+        if previous is None:
+            os.environ.pop("BREGMAN_COMPILE", None)
+        else:
+            os.environ["BREGMAN_COMPILE"] = previous
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -106,13 +271,33 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, nargs="*", default=[49152, 128256])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="small sizes, 2 repeats")
+    parser.add_argument("--step-shapes", nargs="*", default=["64x128256", "256x128256"],
+                        help="shapes BxV of the GPU-readiness table (none: skip it)")
+    parser.add_argument("--compile", choices=["0", "1", "both"], default="0",
+                        help="GPU-readiness table: eager (0), compiled (1) or both")
+    parser.add_argument("--only", choices=["ratios", "steps"],
+                        help="run only the ratio tables or only the GPU-readiness table")
     args = parser.parse_args()
     if args.quick:
         args.batch, args.vocab, args.repeats = [1, 4], [4096], 2
+        args.step_shapes = ["4x4096"]
     device = args.device
     torch.manual_seed(0)
-    top_p = vllm_top_p()
     print(f"device {device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    if device.startswith("cuda"):
+        print(f"gpu {torch.cuda.get_device_name()}")
+    if args.only != "steps":
+        ratio_tables(args, device)
+    if args.only != "ratios" and args.step_shapes:
+        print("\nGPU readiness: one bregman_decode_logits call per configuration")
+        modes = {"0": ["0"], "1": ["1"], "both": ["0", "1"]}[args.compile]
+        for shape in args.step_shapes:
+            batch, vocab = (int(x) for x in shape.lower().split("x"))
+            step_table(batch, vocab, device, args.repeats, modes)
+
+
+def ratio_tables(args, device: str) -> None:
+    top_p = vllm_top_p()
     header = f"{'shape':>14} {'case':<34} {'ms':>9} {'x softmax':>10}"
     for vocab in args.vocab:
         for batch in args.batch:

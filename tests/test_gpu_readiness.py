@@ -127,6 +127,16 @@ MIXED = [
 ]
 
 
+def _request(kwargs: dict) -> dict:
+    names = {"alpha": "bregman_alpha", "lam": "bregman_lambda", "mode": "bregman_mode",
+             "k_max": "bregman_k_max", "top_k": "bregman_top_k"}
+    return {names[key]: value for key, value in kwargs.items()}
+
+
+#: Every configuration of `CONFIGS` in one batch, and a plain request (issue 10, part 2).
+MIXED_ALL = [_request(kwargs) for kwargs in CONFIGS.values()] + [{}]
+
+
 class EngineConfig:
     """Stands in for VllmConfig: the processor uses it only as an identity for de-duplication
     (and reads the vocabulary size and max_num_seqs from it when they are there)."""
@@ -159,7 +169,7 @@ def v2_processor(configs: list[dict]) -> tuple[BregmanLogitsProcessor, LogitsCon
 
 
 @pytest.mark.parametrize("interface", ["v1", "v2"])
-@pytest.mark.parametrize("configs", [MIXED[:1], MIXED[3:4], MIXED[4:5], MIXED],
+@pytest.mark.parametrize("configs", [MIXED[:1], MIXED[3:4], MIXED[4:5], MIXED_ALL],
                          ids=["kl", "alpha3", "dual", "mixed"])
 def test_steady_state_apply_plans_once_and_syncs_at_most_once(logits, interface, configs):
     if interface == "v1":
@@ -210,7 +220,10 @@ def test_one_bad_row_never_disables_the_others(monkeypatch):
             for i in range(8)]
     rows.append((8, SamplingParams(temperature=1.0,
                                    extra_args={"bregman_top_k": 9223372036854775808}), None, []))
+    before = telemetry.failures_total()
     proc.update_state(BatchUpdate(9, [], rows, []))
+    assert telemetry.failures_total() == before + 1  # refused, and counted
+    assert set(proc.requests) == set(range(8))
     for seed in range(3):
         logits = realistic_logits(9, 500, seed)
         out = proc.apply(logits.clone())
@@ -236,6 +249,30 @@ def test_one_bad_row_never_disables_the_others(monkeypatch):
     assert torch.isinf(out[other_rows]).any(-1).all()  # decoded: tokens cut off
     assert telemetry.failures_total() == before + BATCH // 2
     assert processor_module.telemetry is telemetry
+
+
+def test_a_failing_exact_path_never_decodes_the_batch_twice(monkeypatch):
+    """The fixed step writes a whole-batch group in place before the exact path redoes the
+    uncertified rows. If the exact path fails, the batch already holds decoded rows: the
+    processor must keep them (decoding log q again would shrink supports further) and count the
+    uncertified rows."""
+    proc = v1_processor([{"bregman_alpha": 1.5, "bregman_lambda": 1e-7}])
+    flat = realistic_logits(seed=3, scale=(0.3, 0.3))  # k* far past the window: every row
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated failure of the exact path")
+
+    monkeypatch.setattr(step_module, "decode_exact", broken)
+    monkeypatch.setattr(telemetry, "_last_warning", -math.inf)
+    before = telemetry.failures_total()
+    out = proc.apply(flat.clone())
+    assert telemetry.failures_total() == before + BATCH
+    # The fixed step's answer, once: a distribution on the window of each row.
+    window = proc.plan.groups[0].window
+    assert torch.isfinite(out).sum(-1).eq(window).all()
+    torch.testing.assert_close(torch.logsumexp(out, -1), torch.zeros(BATCH), rtol=0, atol=1e-5)
+    kept = torch.topk(flat, window, -1).indices
+    assert torch.isfinite(torch.gather(out, 1, kept)).all()
 
 
 def test_failures_reach_the_prometheus_counter(monkeypatch):
@@ -306,27 +343,36 @@ def test_compiled_step_agrees_and_launches_far_fewer_kernels(monkeypatch):
     from bregman_vllm.diagnostics import compiled_launches
 
     logits = realistic_logits()
-    eager = v1_processor(MIXED).apply(logits.clone())
+    eager = v1_processor(MIXED_ALL).apply(logits.clone())
+    eager_v2_proc, ctx = v2_processor(MIXED_ALL)
+    eager_v2 = eager_v2_proc.apply(logits.clone(), ctx)
 
     monkeypatch.setenv("BREGMAN_COMPILE", "1")
-    graph_launches: dict[object, int] = {}
+    graph_launches: dict[object, int] = {}  # kernels per call of each family's graph
+    used: set[object] = set()  # the graphs one apply() ran
 
     def counted(rows, static, *args):
-        if static not in graph_launches:
+        used.add(static)
+        if static not in graph_launches:  # compiles it now, and reads the generated code
             result, graph_launches[static] = compiled_launches(
                 step_module.compiled_group(static), rows, *args)
+            assert graph_launches[static] > 0
             return result
         with _disable_current_modes():  # the graph's own kernels are counted above
             return step_module.compiled_group(static)(rows, *args)
 
     monkeypatch.setattr(step_module, "_fast", counted)
-    proc = v1_processor(MIXED)
-    proc.apply(logits.clone())  # compiles every family once
-    with DispatchCounter() as counter:
-        out = proc.apply(logits.clone())
-    assert counter.syncs <= 1, dict(counter.sync_ops)
-    total = counter.launches + sum(graph_launches.values())
-    assert len(graph_launches) == 6
-    assert total <= 150, (counter.launches, graph_launches)
-    assert torch.equal(torch.isinf(out), torch.isinf(eager))
-    torch.testing.assert_close(out.exp(), eager.exp(), rtol=0, atol=1e-6)
+    v1 = v1_processor(MIXED_ALL)
+    v2, ctx = v2_processor(MIXED_ALL)
+    for proc, call, want in ((v1, lambda: v1.apply(logits.clone()), eager),
+                             (v2, lambda: v2.apply(logits.clone(), ctx), eager_v2)):
+        call()  # compiles every family once (the V2 batch reuses the V1 graphs)
+        used.clear()
+        with DispatchCounter() as counter:
+            out = call()
+        assert counter.syncs <= 1, (proc.interface, dict(counter.sync_ops))
+        total = counter.launches + sum(graph_launches[static] for static in used)
+        assert len(used) == 6, proc.interface
+        assert total <= 150, (proc.interface, counter.launches, graph_launches)
+        assert torch.equal(torch.isinf(out), torch.isinf(want)), proc.interface
+        torch.testing.assert_close(out.exp(), want.exp(), rtol=0, atol=1e-6)

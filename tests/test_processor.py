@@ -21,6 +21,10 @@ from bregman_vllm import bregman_decode
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-llama"
 pytestmark = pytest.mark.engine
 
+#: The model runner the engine is expected to use: "v1" here, "v2" when `test_processor_v2` runs
+#: this module in a child process with VLLM_USE_V2_MODEL_RUNNER=1.
+RUNNER = "v2" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1" else "v1"
+
 PROMPTS = ["To be, or not to be, that is", "ROMEO:\nBut soft, what light",
            "First Citizen:\nBefore we proceed any further,"]
 
@@ -103,6 +107,26 @@ def test_processed_distribution_is_bregman_decoding_of_the_raw_one(llm, bregman,
         assert want.probs[sampled] > 0  # the sampled token is in the top-k* set
 
 
+def _model_runner(llm):
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
+def test_engine_runs_the_expected_model_runner(llm):
+    """The tests of this module run on both runners (see `RUNNER`); make sure the engine is
+    really on the one intended, with one active processor on the matching interface."""
+    from bregman_vllm.adapter import BregmanLogitsProcessor
+
+    runner = _model_runner(llm)
+    if RUNNER == "v2":
+        assert type(runner).__module__ == "vllm.v1.worker.cpu.model_runner"
+        processors = runner.sampler.logits_processors
+    else:
+        assert type(runner).__module__ == "vllm.v1.worker.cpu_model_runner"
+        processors = runner.input_batch.logitsprocs.all
+    ours = [p for p in processors if isinstance(p, BregmanLogitsProcessor) and p.enabled]
+    assert len(ours) == 1 and ours[0].interface == RUNNER
+
+
 def test_seeded_requests_are_reproducible(llm):
     params = sampling(temperature=1.0, max_tokens=24, seed=1234,
                       extra_args={"bregman_mode": "dual", "bregman_alpha": 2.5,
@@ -120,12 +144,75 @@ def test_greedy_requests_are_unaffected(llm):
 
 
 def test_request_top_k_applies_after_bregman(llm):
+    if RUNNER == "v2":
+        # vLLM's V2 sampling with a request top_k fails under Triton's interpreter
+        # (InterpreterError: AttributeError("'int' object has no attribute 'to'")) and the
+        # engine then hangs: a limit of the CPU stand-in, not of the processor.
+        pytest.skip("V2 top-k sampling does not run under Triton's interpreter")
     vocab = vocab_size(llm)
     out = llm.generate(PROMPTS[:1], sampling(
         temperature=1.0, max_tokens=4, logprobs=-1, top_k=2, seed=5,
         extra_args={"bregman_alpha": 2.0, "bregman_lambda": 1e-4}), use_tqdm=False)[0]
     for step in out.outputs[0].logprobs:
         assert int((torch.exp(dense(step, vocab)) > 0).sum()) <= 2
+
+
+def test_min_p_acts_on_p_under_v1_and_on_q_under_v2(llm):
+    """The one ordering difference between the runners: vLLM's min_p runs before custom
+    processors under V1 (on p) and after them under V2 (on q = Bregman(p)). (Under V2 this
+    engine test does not finish in minutes with Triton's interpreter; `test_processor_v2`
+    checks the V2 order on vLLM's own V2 sampler instead.)"""
+    if RUNNER == "v2":
+        pytest.skip("checked by test_processor_v2.test_min_p_acts_on_q_in_the_v2_sampler")
+    vocab = vocab_size(llm)
+    bregman = {"bregman_alpha": 1.5, "bregman_lambda": 1e-3}
+    out = llm.generate(PROMPTS[:1], sampling(temperature=1.0, max_tokens=1, logprobs=-1,
+                                             min_p=0.2, seed=1, extra_args=bregman),
+                       use_tqdm=False)[0]
+    plain = llm.generate(PROMPTS[:1], sampling(temperature=1.0, max_tokens=1, logprobs=-1),
+                         use_tqdm=False)[0]
+    p = torch.exp(dense(plain.outputs[0].logprobs[0], vocab))
+
+    def min_p(x):
+        kept = torch.where(x >= 0.2 * x.max(), x, 0.0)
+        return kept / kept.sum()
+
+    if RUNNER == "v1":
+        want = bregman_decode(min_p(p), alpha=1.5, lam=1e-3).probs
+    else:
+        want = min_p(bregman_decode(p, alpha=1.5, lam=1e-3).probs)
+    got = torch.exp(dense(out.outputs[0].logprobs[0], vocab))
+    assert torch.equal(got > 0, want > 0)
+    assert (got - want).abs().max() < 1e-4
+
+
+def test_one_bad_request_never_disables_the_other_rows(llm):
+    """Issue 11: a request with ``bregman_top_k`` = 2^63 is refused at admission (naming the
+    field), and eight ``bregman_top_k=1`` requests admitted around it decode normally in the
+    same engine steps: top-1 decoding always takes the argmax, i.e. the greedy tokens."""
+    from vllm.exceptions import VLLMValidationError
+
+    engine = llm.llm_engine
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    top1 = {"bregman_top_k": 1, "bregman_alpha": 1.5}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"top1-{i}", {"prompt": prompt},
+                           sampling(temperature=1.5, max_tokens=10, seed=i, extra_args=top1))
+        if i == 3:
+            with pytest.raises(VLLMValidationError, match="bregman_top_k"):
+                engine.add_request("huge", {"prompt": prompt}, sampling(
+                    temperature=1.0, max_tokens=10, extra_args={"bregman_top_k": 2**63}))
+    done: dict[str, list[int]] = {}
+    for _ in range(200):
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = list(output.outputs[0].token_ids)
+        if not engine.has_unfinished_requests():
+            break
+    assert set(done) == {f"top1-{i}" for i in range(8)}
+    greedy = llm.generate(prompts, sampling(temperature=0.0, max_tokens=10), use_tqdm=False)
+    assert [done[f"top1-{i}"] for i in range(8)] == [list(o.outputs[0].token_ids)
+                                                    for o in greedy]
 
 
 def test_mixed_batch_with_requests_arriving_and_finishing_at_different_steps(llm):
@@ -160,6 +247,10 @@ def test_mixed_batch_with_requests_arriving_and_finishing_at_different_steps(llm
                               extra_args={"bregman_alpha": 1.5, "bregman_lambda": 0.01})),
     ]
     engine = llm.llm_engine
+    if RUNNER == "v2":
+        # V2's penalty and grammar kernels fail under Triton's interpreter ("mask has
+        # unsupported dtype"); the rest of the batch (joins, leaves, slot reuse) runs.
+        requests = [r for r in requests if r[0] not in ("penalties", "json")]
     pending = list(requests)
     completions: dict[str, dict[int, object]] = {}
     prompts: dict[str, str] = {}
@@ -194,7 +285,8 @@ def test_mixed_batch_with_requests_arriving_and_finishing_at_different_steps(llm
         use_tqdm=False)[0].outputs[0].token_ids
     text = first("stop").text
     assert "\n" not in text and "." not in text
-    assert isinstance(json.loads(first("json").text)["name"], str)
+    if RUNNER == "v1":
+        assert isinstance(json.loads(first("json").text)["name"], str)
 
 
 @pytest.mark.parametrize(("extra", "fragment"), [

@@ -145,6 +145,7 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
             self.device = torch.device(args[0])
             self.runner_v2 = False
         self.interface = "v2" if self.runner_v2 else "v1"
+        telemetry.register(self.interface)
         self.vocab = vocab
         self.enabled = _claim(vllm_config)
         self.requests: dict[int, BregmanParams] = {}  # batch row (V1) or request slot (V2)
@@ -276,7 +277,8 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         try:
             return request_params(extra_args)
         except BregmanParamError as error:  # validate_params ran already; be defensive
-            logger.warning("ignoring invalid Bregman parameters: %s", error)
+            # A request that asked for Bregman decoding gets plain sampling: counted.
+            telemetry.record_failure(1, self.interface, error)
             return None
 
     def _make_plan(self, requests: list[tuple[int, BregmanParams]], batch: int,
@@ -305,6 +307,10 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         try:
             return decode_step(logits, plan, logits=True, inplace=True)[0]
         except Exception as error:
+            written = getattr(error, "bregman_uncertified_rows", None)
+            if written is not None:  # the batch is decoded; some rows not certified
+                telemetry.record_failure(written, self.interface, error)
+                return logits
             if len(plan.groups) == 1 and plan.groups[0].count == 1:
                 telemetry.record_failure(1, self.interface, error)
                 return logits

@@ -1,7 +1,8 @@
 """Counting the processor's failures: a Prometheus counter and a rate-limited warning.
 
 `apply()` never raises (an exception inside a logits processor would fail every request on the
-engine), so a failure must be visible some other way. Each failed row is counted in
+engine), so a failure must be visible some other way. Each failed row (and each request whose
+parameters fail validation inside the engine, which then gets plain sampling) is counted in
 
     bregman_processor_failures_total{interface="v1"|"v2"}
 
@@ -55,6 +56,14 @@ def _prometheus_counter() -> Any:
     return _counter
 
 
+def register(interface: str) -> None:
+    """Show the failure counter of ``interface`` from the start (at 0), so that a scraper can
+    tell "no failure" from "not counted"."""
+    counter = _prometheus_counter()
+    if counter:
+        counter.labels(interface)
+
+
 def record_failure(rows: int, interface: str, error: BaseException) -> None:
     """Count ``rows`` rows left undecoded by ``error`` and warn (rate-limited)."""
     global _total, _last_warning
@@ -70,5 +79,7 @@ def record_failure(rows: int, interface: str, error: BaseException) -> None:
         total = _total
     logger.warning(
         "Bregman decoding failed for %d row(s) (%d since start); their logits were left "
-        "unchanged this step: %s: %s", rows, total, type(error).__name__, error,
+        "unchanged this step (or kept the fixed step's uncertified answer when the exact path "
+        "failed; or, for parameters that failed validation, every step): %s: %s",
+        rows, total, type(error).__name__, error,
         exc_info=error if logger.isEnabledFor(logging.DEBUG) else None)

@@ -1,11 +1,20 @@
 """The math core of Bregman decoding. Imports only torch.
 
 Modules, in pipeline order:
-    numerics  log-space kernels (the Bregman alpha kernel K_alpha, stable softplus/log1mexp)
-    primal    T_alpha on a fixed support (eq. ren, Proposition alpha-special-cases)
-    dual      T*_alpha on a fixed support (eq. ren-dual, Algorithm alg:dual-renormalization)
-    gaps      cost gaps G(k) that decide k* (Theorem convex_cost)
-    decode    candidates, the k* search and the public functions
+    plan        per-row parameters validated and grouped by formula family (on the host, once
+                per batch change)
+    families    which formulas decode a row: the one place where special alphas are recognized
+    candidates  the top entries of each row and the deficits R_k, without sorting the vocabulary
+    window      the fixed-shape k* search over a window of support sizes, with a certificate
+    step        the decoding step (the hot path): fixed ops on fixed shapes, at most one sync
+    exact       value-dependent rounds for the rows the window cannot certify
+    decode      the public functions
+The formulas they use:
+    primal      T_alpha on a fixed support (eq. (5), Definition 5, Proposition 1)
+    dual        T*_alpha on a fixed support (eq. (7), Algorithm 1)
+    gaps        cost gaps G(k) that decide k* (Theorem 3.3)
+    roots       the safeguarded Newton iteration of the exact path
+    numerics    log-space kernels
     generators  the generator protocol (phi, phi', phi'', (phi')^-1) and generic reference maps
 """
 

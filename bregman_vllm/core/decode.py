@@ -108,7 +108,9 @@ def bregman_decode_logits(
     hold NaN are returned unchanged. With ``return_k=True`` returns ``(logits, k)``.
 
     With Python numbers for every parameter this is one fixed sequence of ops with at most one
-    host sync (none for closed-form alphas with ``k_max`` <= 64 or a fixed ``top_k``).
+    host sync: none for the closed-form alphas (primal 1, 3/2, 2, +-inf; dual 1, 2, +inf) with
+    a fixed ``top_k`` or a ``k_max`` that fits the window; one for the others (the iterative
+    alphas check convergence and near-ties of their fixed Newton steps there, whatever k).
     """
     if logits.dim() == 0:
         raise BregmanParamError("logits", "must have at least one dimension (the vocabulary)")

@@ -58,13 +58,26 @@ def decode_step(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = Fal
     """Decode the rows of ``scores`` ([N, V] logits, or probabilities with ``logits=False``)
     that the plan's groups name. Returns (decoded [N, V], k [N]); rows outside every group are
     left as they are (and get k = 0). With ``inplace`` the result is written into ``scores``.
+
+    Exceptions propagate. With ``inplace``, one raised by the exact path after the fixed step
+    wrote the whole batch carries ``bregman_uncertified_rows`` (the rows that keep the fixed
+    step's uncertified answer, a distribution on the window): ``scores`` is then decoded and
+    must not be decoded again.
     """
     results = [(_decode_group(scores, group, logits, inplace), group) for group in plan.groups]
     # The step's only host sync: whether any row needs the exact path.
     flags = [result.needs.any() for result, _ in results if result.needs is not None]
     if flags and bool(torch.stack(flags).any() if len(flags) > 1 else flags[0]):
-        results = [(_redo_uncertified(result, group, logits), group)
-                   for result, group in results]
+        try:
+            results = [(_redo_uncertified(result, group, logits), group)
+                       for result, group in results]
+        except Exception as error:
+            if inplace and any(group.rows is None for _, group in results):
+                # ``scores`` already holds the step's output: tell the caller not to decode
+                # it again, and how many rows kept the window's uncertified answer.
+                error.bregman_uncertified_rows = sum(  # type: ignore[attr-defined]
+                    int(result.needs.sum()) for result, _ in results if result.needs is not None)
+            raise
     if len(results) == 1 and results[0][1].rows is None:
         return results[0][0].out, results[0][0].k  # (``scores`` itself when inplace)
     out = scores if inplace else scores.clone()
@@ -197,8 +210,12 @@ _COMPILED: dict[object, object] = {}
 
 def compile_enabled(device: torch.device) -> bool:
     """``BREGMAN_COMPILE``: "1" compiles the fixed-shape groups with torch.compile (fullgraph)
-    everywhere, "0" never, "auto" (the default) on CUDA only."""
-    setting = os.environ.get("BREGMAN_COMPILE", "auto").strip().lower()
+    everywhere, "auto" on CUDA only, "0" (the default) never.
+
+    Off by default: a group is compiled at its first use, inside a decoding step (about 10 s
+    per family on a CPU), so every request on the engine would wait for it, and the compiled
+    path has not yet been measured on a GPU (`benchmarks/bench_core.py --compile 1`)."""
+    setting = os.environ.get("BREGMAN_COMPILE", "0").strip().lower()
     if setting in ("1", "true", "yes", "on"):
         return True
     if setting in ("0", "false", "no", "off"):

@@ -1,0 +1,15 @@
+"""Session-wide pytest hooks."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The reliability suite's figures (tests/test_reliability.py), when it ran."""
+    module = sys.modules.get("tests.test_reliability")
+    figures = getattr(module, "FIGURES", None)
+    if figures and figures["requests"]:
+        terminalreporter.write_line(f"reliability figures: {json.dumps(figures)}")
