@@ -125,7 +125,8 @@ def test_vendored_files_match_data_readme() -> None:
 
 
 def test_nothing_reads_outside_the_repository() -> None:
-    """Code, tests, scripts and docs never point at ../shared (a fresh clone has none)."""
+    """Code, tests, scripts and docs never point at the shared folder next to the checkout (a
+    fresh clone has none)."""
     listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
                             cwd=ROOT, capture_output=True, text=True, check=True).stdout
     pattern = re.compile(r"\.\./shared|shared/data|parent / \"shared\"")

@@ -28,6 +28,7 @@ from bregman_server.bregman import apply_bregman
 from bregman_server.cli import parse_args
 from bregman_server.limits import uvicorn_config
 from bregman_server.middleware import BregmanMiddleware, Lifecycle
+from bregman_server.serving import http_server
 from bregman_server.settings import ServerSettings
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -105,14 +106,12 @@ class Served:
     """uvicorn serving the stub behind `BregmanMiddleware` in a thread, on a loopback port."""
 
     def __init__(self, **overrides: Any) -> None:
-        import uvicorn
-
         overrides.setdefault("api_key", KEY)
         self.settings = ServerSettings(host="127.0.0.1", port=_free_port(), **overrides)
         self.lifecycle = Lifecycle()
         app = BregmanMiddleware(stub_app(), settings=self.settings, lifecycle=self.lifecycle)
-        self.server = uvicorn.Server(uvicorn_config(app, self.settings, log_level="warning"))
-        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        # The servers' own uvicorn, without signal handlers (it runs in a thread here).
+        self.server = http_server(uvicorn_config(app, self.settings, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property

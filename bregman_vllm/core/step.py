@@ -27,6 +27,7 @@ No float64 [n, V] array is ever made. `step_memory_bound` gives the bound in byt
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -215,12 +216,18 @@ def compile_enabled(device: torch.device) -> bool:
     Off by default: a group is compiled at its first use, inside a decoding step (about 10 s
     per family on a CPU), so every request on the engine would wait for it, and the compiled
     path has not yet been measured on a GPU (`benchmarks/bench_core.py --compile 1`)."""
-    setting = os.environ.get("BREGMAN_COMPILE", "0").strip().lower()
+    return _compile_choice(os.environ.get("BREGMAN_COMPILE", "0"), device.type)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_choice(setting: str, device_type: str) -> bool:
+    # Parsed once per (setting, device): the step asks at every group of every call.
+    setting = setting.strip().lower()
     if setting in ("1", "true", "yes", "on"):
         return True
     if setting in ("0", "false", "no", "off"):
         return False
-    return device.type == "cuda"
+    return device_type == "cuda"
 
 
 def _group_entry(rows: Tensor, alpha, lam, size, logits: bool, writable: bool):
