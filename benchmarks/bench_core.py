@@ -35,13 +35,25 @@ torch.compile'd fixed-shape groups (``BREGMAN_COMPILE=1``; compiled once in the 
     python benchmarks/bench_core.py            # the full CPU table
     python benchmarks/bench_core.py --quick    # small sizes (smoke test)
     python benchmarks/bench_core.py --device cuda --batch 64 256 --vocab 128256 --compile both
+    python benchmarks/bench_core.py --only ratios --batch 64 --vocab 128256 --baseline 3ef72a5
+
+``--baseline REV`` adds, interleaved with every decoder row of the ratio tables, the same call
+on the core of git revision REV (its ``bregman_vllm`` extracted with ``git archive`` into a
+temporary folder and imported under another name): old and new measured side by side in one
+process, printed with the ratio new / old.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import io
 import os
 import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -101,18 +113,78 @@ def vllm_top_p() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     return lambda logits, p: apply_top_k_top_p(logits, None, p)
 
 
+Decoder = Callable[..., object]
+
+#: Module name the ``--baseline`` core is imported under.
+BASELINE_PACKAGE = "bregman_vllm_baseline"
+
+
+def load_baseline(revision: str) -> Decoder:
+    """``bregman_decode`` of the core at git ``revision``: its package extracted into a
+    temporary folder under `BASELINE_PACKAGE` (the core imports itself relatively; the
+    package's lazy top-level names do not, so the decode module is imported directly)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    archive = subprocess.run(["git", "-C", root, "archive", revision, "bregman_vllm"],
+                             check=True, capture_output=True).stdout
+    folder = tempfile.mkdtemp(prefix="bench-baseline-")
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(folder, filter="data")
+    os.rename(os.path.join(folder, "bregman_vllm"), os.path.join(folder, BASELINE_PACKAGE))
+    sys.path.insert(0, folder)
+    try:
+        decode = importlib.import_module(BASELINE_PACKAGE + ".core.decode").bregman_decode
+    finally:
+        sys.path.remove(folder)
+    if decode is bregman_decode or not decode.__module__.startswith(BASELINE_PACKAGE):
+        raise RuntimeError(f"the baseline {revision} resolved to the current core")
+    return decode
+
+
+def decoder_cases(decode: Decoder, p: torch.Tensor, worst: bool
+                  ) -> dict[str, Callable[[], object]]:
+    """The Bregman calls of one table, through ``decode`` (this core's or a baseline's)."""
+    if worst:
+        return {
+            "primal a=1.5 lam=0 (keeps all)": lambda: decode(p, alpha=1.5, lam=0.0),
+            "primal a=1.5 lam=1e-9 (flat)": lambda: decode(p, alpha=1.5, lam=1e-9),
+            "primal a=1 lam=1e-5 (flat)": lambda: decode(p, alpha=1.0, lam=1e-5),
+            "primal a=3 lam=1e-9 (flat)": lambda: decode(p, alpha=3.0, lam=1e-9),
+            "dual a=3 lam=1e-9 (flat)": lambda: decode(p, alpha=3.0, lam=1e-9, mode="dual"),
+        }
+    return {
+        "primal a=1.5 lam=0.01 (adaptive)": lambda: decode(p, alpha=1.5, lam=0.01),
+        "primal a=1.5 lam=1e-4 (adaptive)": lambda: decode(p, alpha=1.5, lam=1e-4),
+        "primal a=1 lam=0.01 (adaptive top-k)": lambda: decode(p, alpha=1.0, lam=0.01),
+        "primal a=3 lam=0.01 (root finding)": lambda: decode(p, alpha=3.0, lam=0.01),
+        "dual a=1.5 lam=0.01": lambda: decode(p, alpha=1.5, lam=0.01, mode="dual"),
+        "dual a=3 lam=0.01": lambda: decode(p, alpha=3.0, lam=0.01, mode="dual"),
+        "primal a=1.5 top_k=50 (fixed)": lambda: decode(p, alpha=1.5, lam=0.0, top_k=50),
+    }
+
+
+def with_baseline(cases: dict[str, Callable[[], object]], baseline: Decoder | None,
+                  p: torch.Tensor, worst: bool) -> dict[str, Callable[[], object]]:
+    """``cases`` with, after each Bregman case, the same call on the baseline core."""
+    if baseline is None:
+        return cases
+    old = decoder_cases(baseline, p, worst)
+    merged: dict[str, Callable[[], object]] = {}
+    for name, fn in cases.items():
+        merged[name] = fn
+        if name in old:
+            merged[BASELINE_LABEL + name] = old[name]
+    return merged
+
+
+BASELINE_LABEL = "  baseline: "
+
+
 def decode_cases(p: torch.Tensor, logits: torch.Tensor, top_p, device: str
                  ) -> dict[str, Callable[[], object]]:
     """The timed calls for one [B, V] input (closures over this function's arguments)."""
     cases: dict[str, Callable[[], object]] = {
         "torch.softmax": lambda: torch.softmax(logits, -1),
-        "primal a=1.5 lam=0.01 (adaptive)": lambda: bregman_decode(p, alpha=1.5, lam=0.01),
-        "primal a=1.5 lam=1e-4 (adaptive)": lambda: bregman_decode(p, alpha=1.5, lam=1e-4),
-        "primal a=1 lam=0.01 (adaptive top-k)": lambda: bregman_decode(p, alpha=1.0, lam=0.01),
-        "primal a=3 lam=0.01 (root finding)": lambda: bregman_decode(p, alpha=3.0, lam=0.01),
-        "dual a=1.5 lam=0.01": lambda: bregman_decode(p, alpha=1.5, lam=0.01, mode="dual"),
-        "dual a=3 lam=0.01": lambda: bregman_decode(p, alpha=3.0, lam=0.01, mode="dual"),
-        "primal a=1.5 top_k=50 (fixed)": lambda: bregman_decode(p, alpha=1.5, lam=0.0, top_k=50),
+        **decoder_cases(bregman_decode, p, worst=False),
         "torch.topk k=50": lambda: torch.topk(p, 50),
     }
     if top_p is not None:
@@ -277,6 +349,11 @@ def main() -> None:
                         help="GPU-readiness table: eager (0), compiled (1) or both")
     parser.add_argument("--only", choices=["ratios", "steps"],
                         help="run only the ratio tables or only the GPU-readiness table")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="ratio tables: also time the core of git revision REV, "
+                             "interleaved (e.g. 3ef72a5, the core before the fixed-shape step)")
+    parser.add_argument("--skip-typical", action="store_true",
+                        help="ratio tables: only the worst cases")
     args = parser.parse_args()
     if args.quick:
         args.batch, args.vocab, args.repeats = [1, 4], [4096], 2
@@ -296,21 +373,32 @@ def main() -> None:
             step_table(batch, vocab, device, args.repeats, modes)
 
 
+def print_timings(timings: dict[str, float], shape: list[int], extra: dict[str, str] | None = None
+                  ) -> None:
+    """One line per case: ms, the ratio to softmax, and for a baseline row new / old."""
+    base = timings["torch.softmax"]
+    for name, seconds in timings.items():
+        note = (extra or {}).get(name, "")
+        if name.startswith(BASELINE_LABEL):
+            current = timings[name[len(BASELINE_LABEL):]]
+            note = f"  new/old {current / seconds:.2f}"
+        print(f"{shape!s:>14} {name:<34} {seconds * 1e3:9.3f} {seconds / base:10.2f}{note}")
+
+
 def ratio_tables(args, device: str) -> None:
     top_p = vllm_top_p()
+    baseline = load_baseline(args.baseline) if args.baseline else None
+    if baseline is not None:
+        print(f"baseline: the core of {args.baseline}, interleaved with this one")
     header = f"{'shape':>14} {'case':<34} {'ms':>9} {'x softmax':>10}"
-    for vocab in args.vocab:
+    for vocab in [] if args.skip_typical else args.vocab:
         for batch in args.batch:
             p = realistic_probs(batch, vocab, device)
             logits = torch.log(p)
             print(f"\n[{batch}, {vocab}] {describe(p)}")
             print(header)
-            cases = decode_cases(p, logits, top_p, device)
-            timings = measure(cases, device, args.repeats)
-            base = timings["torch.softmax"]
-            for name, seconds in timings.items():
-                print(f"{[batch, vocab]!s:>14} {name:<34} {seconds * 1e3:9.3f} "
-                      f"{seconds / base:10.2f}")
+            cases = with_baseline(decode_cases(p, logits, top_p, device), baseline, p, False)
+            print_timings(measure(cases, device, args.repeats), [batch, vocab])
 
     # Worst cases: k* in the thousands (flat rows, tiny lambda) and lambda = 0.
     vocab, batch = args.vocab[-1], args.batch[-1]
@@ -318,29 +406,19 @@ def ratio_tables(args, device: str) -> None:
     flat_logits = torch.log(flat)
     print(f"\nworst cases at [{batch}, {vocab}], flat rows: {describe(flat)}")
     print(header)
-    worst: dict[str, Callable[[], object]] = {
+    worst = with_baseline({
         "torch.softmax": lambda: torch.softmax(flat_logits, -1),
-        "primal a=1.5 lam=0 (keeps all)": lambda: bregman_decode(flat, alpha=1.5, lam=0.0),
-        "primal a=1.5 lam=1e-9 (flat)": lambda: bregman_decode(flat, alpha=1.5, lam=1e-9),
-        "primal a=1 lam=1e-5 (flat)": lambda: bregman_decode(flat, alpha=1.0, lam=1e-5),
-        "primal a=3 lam=1e-9 (flat)": lambda: bregman_decode(flat, alpha=3.0, lam=1e-9),
-        "dual a=3 lam=1e-9 (flat)": lambda: bregman_decode(flat, alpha=3.0, lam=1e-9,
-                                                           mode="dual"),
+        **decoder_cases(bregman_decode, flat, worst=True),
         "torch.sort (full rows)": lambda: torch.sort(flat, -1, descending=True),
-    }
+    }, baseline, flat, True)
     timings = measure(worst, device, max(2, args.repeats // 2))
-    base = timings["torch.softmax"]
     k_values = {
         "primal a=1.5 lam=1e-9 (flat)": bregman_decode(flat, alpha=1.5, lam=1e-9).k,
         "primal a=1 lam=1e-5 (flat)": bregman_decode(flat, alpha=1.0, lam=1e-5).k,
         "primal a=3 lam=1e-9 (flat)": bregman_decode(flat, alpha=3.0, lam=1e-9).k,
     }
-    for name, seconds in timings.items():
-        extra = ""
-        if name in k_values:
-            extra = f"  (median k* {int(k_values[name].float().median().item())})"
-        print(f"{[batch, vocab]!s:>14} {name:<34} {seconds * 1e3:9.3f} "
-              f"{seconds / base:10.2f}{extra}")
+    print_timings(timings, [batch, vocab], {
+        name: f"  (median k* {int(k.float().median().item())})" for name, k in k_values.items()})
 
 
 if __name__ == "__main__":

@@ -69,8 +69,9 @@ class BregmanLogitsProcessor(LogitsProcessor):
     r"""Bregman decoding of ``softmax(scores)``: log q with -inf off the support.
 
     For p = softmax(scores) of one row, q solves the primal problem
-    min_q D_phi(q, p) + lambda ||q||_0 (``mode="primal"``, eq. (2)) or the dual one
-    min_q D_phi(p, q) + lambda ||q||_0 (``mode="dual"``, eq. (3)) with
+    min_q D_phi(q, p) + lambda ||q||_0 (``mode="primal"``) or the dual one
+    min_q D_phi(p, q) + lambda ||q||_0 (``mode="dual"``), i.e. problem (2) with the Div of
+    eq. (3), with
     phi_alpha(x) = x^alpha / (alpha (alpha - 1)): q keeps the top k* tokens (greedy property,
     Theorems 3.1 and 3.2), k* adaptive (the first k whose cost gap is at most lambda,
     k-convexity, Theorem 3.3), capped by ``k_max``, or fixed (``top_k``: generalized top-k), and

@@ -5,14 +5,15 @@ HTTP server (request bodies, server-wide defaults) all validate with the rules b
 accepted or refused with the same message everywhere. This module is pure Python: the server
 imports it without importing torch.
 
-Rules (paper sections 2-4; Lemma dual-alpha; Proposition alpha-special-cases):
+Rules (arXiv 2505.19371, Sections 2-4; Lemma 4.2, dual validity of phi_alpha for alpha > 1;
+Proposition 4.1, the special primal maps):
 
 ======  ==============  ==========================================================================
 mode    k               alpha
 ======  ==============  ==========================================================================
 primal  adaptive        0 < alpha < inf (for alpha <= 0 dropping a token costs +inf)
-primal  fixed top_k     alpha != 0, and the limits -inf and +inf (Proposition alpha-special-cases)
-dual    adaptive        1 < alpha < inf (dual-valid generators, Lemma dual-alpha)
+primal  fixed top_k     alpha != 0, and the limits -inf and +inf (Proposition 4.1)
+dual    adaptive        1 < alpha < inf (dual-valid generators, Lemma 4.2)
 dual    fixed top_k     1 <= alpha <= inf
 ======  ==============  ==========================================================================
 
@@ -150,7 +151,8 @@ ALPHA_RANGES: dict[tuple[str, bool], AlphaRange] = {
     ),
     ("dual", False): AlphaRange(
         1.0, math.inf, False, False,
-        why="adaptive dual decoding needs a dual-valid generator, alpha > 1 (Lemma dual-alpha), "
+        why="adaptive dual decoding needs a dual-valid generator, alpha > 1 (Lemma 4.2 of "
+            "arXiv 2505.19371), "
         "and a finite alpha",
     ),
     ("dual", True): AlphaRange(

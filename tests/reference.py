@@ -1,9 +1,9 @@
 """A float64 reference for Bregman decoding, written directly from the paper.
 
 Independent of `bregman_vllm` (plain Python floats, no torch): the alpha-family generator of
-Section ex, the Bregman divergence of Section reg-sp-breg, the primal projection of eq. (ren) and
-the dual projection of eq. (ren-dual) by bisection (Algorithm alg:dual-renormalization), and the
-problem (sp-br) itself by brute force over every support.
+Section 4, the Bregman divergence of Section 2.2, the primal projection of eq. (4) and
+the dual projection of eq. (5) by bisection (Algorithm 1), and the
+problem (2) itself by brute force over every support.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def breg(x: float, y: float, a: float) -> float:
 
 
 def primal_project(x: Sequence[float], a: float) -> list[float]:
-    """argmin_{q in simplex} sum_i d(q_i, x_i): q_i = f^-1(f(x_i) + nu), eq. (ren)."""
+    """argmin_{q in simplex} sum_i d(q_i, x_i): q_i = f^-1(f(x_i) + nu), eq. (4)."""
     if a == 1.0:
         s = sum(x)
         return [v / s for v in x]
@@ -69,7 +69,7 @@ def primal_project(x: Sequence[float], a: float) -> list[float]:
 
 
 def dual_project(x: Sequence[float], a: float) -> list[float]:
-    """argmin_{q in simplex} sum_i d(x_i, q_i): phi''(q_i)(q_i - x_i) = nu, eq. (ren-dual)."""
+    """argmin_{q in simplex} sum_i d(x_i, q_i): phi''(q_i)(q_i - x_i) = nu, eq. (5)."""
     if sum(x) >= 1.0:
         return list(x)
     if a == 1.0:
@@ -86,7 +86,7 @@ def dual_project(x: Sequence[float], a: float) -> list[float]:
                 high = middle
         return 0.5 * (low + high)
 
-    low, high = 0.0, 1.0 - max(x)  # nu in (0, phi''(1)(1 - max x)], Theorem d-ren
+    low, high = 0.0, 1.0 - max(x)  # nu in (0, phi''(1)(1 - max x)], Theorem A.1
     for _ in range(STEPS):
         middle = 0.5 * (low + high)
         if sum(solve(middle, v) for v in x) > 1.0:
@@ -103,7 +103,7 @@ def project(x: Sequence[float], a: float, mode: str) -> list[float]:
 
 
 def decoded(p: Sequence[float], support: Sequence[int], a: float, mode: str) -> list[float]:
-    """The minimizer of (sp-br) restricted to a support, as a full-length vector."""
+    """The minimizer of problem (2) restricted to a support, as a full-length vector."""
     q = project([p[i] for i in support], a, mode)
     out = [0.0] * len(p)
     for i, v in zip(support, q, strict=True):

@@ -1,7 +1,7 @@
 """The math core against a float64 reference written from the paper (tests/reference.py).
 
 Brute force over every support (greedy optimality, Theorems greedy_optimal / greedy-dual), exact
-cost(k) for every k (k-convexity, Theorem convex_cost, and the choice of k*), closed forms against
+cost(k) for every k (k-convexity, Theorem 3.3, and the choice of k*), closed forms against
 root finding, primal = dual at alpha in {1, 2}, dual KKT residuals (eq. ren-dual), the entmax
 package as an outside check, continuity in alpha, and batched / float32 consistency.
 """
@@ -16,6 +16,7 @@ import torch
 
 from bregman_vllm import bregman_decode, renormalize
 from bregman_vllm.core.dual import dual_log_renorm, nested_log_renorm
+from bregman_vllm.core.exact import decode_exact, exact_plan
 from bregman_vllm.core.primal import (
     newton_log_renorm,
     primal_log_renorm,
@@ -155,7 +156,7 @@ def test_dual_map_matches_reference_bisection(alpha):
 
 @pytest.mark.parametrize("alpha", [1.0001, 1.3, 1.5, 2.5, 3.0, 10.0, 50.0, 200.0])
 def test_dual_map_kkt_residuals(alpha):
-    """eq. (ren-dual): q_i^(alpha-2) (q_i - p_i) = nu for every i, and sum q = 1."""
+    """eq. (5): q_i^(alpha-2) (q_i - p_i) = nu for every i, and sum q = 1."""
     g = torch.Generator().manual_seed(2)
     p = torch.softmax(torch.randn(50, 10, generator=g, dtype=F64) * 3, -1)
     p = torch.sort(p, -1, descending=True).values * 0.8
@@ -309,3 +310,30 @@ def test_mixed_rows_in_one_batch_decode_as_each_row_alone(mode: str) -> None:
         assert int(out.k[row]) == int(alone.k)
         torch.testing.assert_close(out.probs[row], alone.probs, rtol=0, atol=1e-12)
     assert int(out.k[0]) == 60  # lambda = 0: the whole support
+
+
+def test_exact_path_rows_that_wait_for_a_wider_round_keep_their_own_probabilities() -> None:
+    """Regression: in one call of the exact path, a fixed-k row wider than a round waits for a
+    later one while an adaptive row is sent on; when every row met again in one round they came
+    back in another order, and the round read ``p`` as if they were in order (each row got the
+    other's probabilities). (The step calls the exact path per group, where this cannot occur;
+    the exact path is also the reference that tests and benchmarks call directly.)"""
+    generator = torch.Generator().manual_seed(0)
+    flat = torch.softmax(torch.randn(1, 3000, generator=generator) * 0.3, -1)
+    peaked = torch.softmax(torch.randn(1, 3000, generator=generator) * 5, -1)
+    p = torch.cat([flat, peaked]).to(F64)
+
+    def exact(rows: slice, lam: list[float], fixed: list[int]):
+        n = len(lam)
+        out, k = torch.zeros(n, 3000, dtype=F64), torch.zeros(n, dtype=torch.long)
+        plan = exact_plan("primal", torch.full((n,), 0.5, dtype=F64),
+                          torch.tensor(lam, dtype=F64), torch.tensor(fixed),
+                          torch.zeros(n, dtype=torch.long))
+        decode_exact(out, k, p[rows], plan, torch.exp)
+        return out, k
+
+    both, k_both = exact(slice(0, 2), [1e-9, 0.0], [0, 1000])
+    for row, (lam, fixed) in enumerate(((1e-9, 0), (0.0, 1000))):
+        alone, k_alone = exact(slice(row, row + 1), [lam], [fixed])
+        assert int(k_both[row]) == int(k_alone[0])
+        torch.testing.assert_close(both[row], alone[0], rtol=0, atol=1e-12)

@@ -170,8 +170,8 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         request_params(sampling_params.extra_args)
 
     def is_argmax_invariant(self) -> bool:
-        """Greedy selection and monotone renormalization keep the argmax (Theorem 3.1), so vLLM
-        may skip this processor for greedy requests."""
+        """Greedy selection and monotone renormalization keep the argmax (Theorems 3.1 and 3.2 of
+        arXiv 2505.19371), so vLLM may skip this processor for greedy requests."""
         return True
 
     # ------------------------------------------------------------------ V1

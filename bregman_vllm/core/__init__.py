@@ -1,4 +1,4 @@
-"""The math core of Bregman decoding. Imports only torch.
+"""The math core of Bregman decoding (arXiv 2505.19371). Imports only torch.
 
 Modules, in pipeline order:
     plan        per-row parameters validated and grouped by formula family (on the host, once
@@ -10,9 +10,9 @@ Modules, in pipeline order:
     exact       value-dependent rounds for the rows the window cannot certify
     decode      the public functions
 The formulas they use:
-    primal      T_alpha on a fixed support (eq. (5), Definition 5, Proposition 1)
-    dual        T*_alpha on a fixed support (eq. (7), Algorithm 1)
-    gaps        cost gaps G(k) that decide k* (Theorem 3.3)
+    primal      T_alpha on a fixed support (eq. (4), Definition 4.1, Proposition 4.1)
+    dual        T*_alpha on a fixed support (eq. (5), Theorem A.1, Algorithm 1)
+    gaps        cost gaps G(k) of cost(k) (eq. (6)) that decide k* (Theorem 3.3)
     roots       the safeguarded Newton iteration of the exact path
     numerics    log-space kernels
     generators  the generator protocol (phi, phi', phi'', (phi')^-1) and generic reference maps

@@ -68,9 +68,10 @@ def bregman_decode(
             `bregman_vllm.params` (adaptive primal (0, inf), adaptive dual (1, inf), fixed-k
             primal any nonzero value with +-inf, fixed-k dual [1, inf]).
         lam: lambda >= 0, the l0 price per kept token (float or per-row tensor).
-        mode: "primal" (min D(q, p), eq. (5)) or "dual" (min D(p, q), eq. (7)).
+        mode: "primal" (min D(q, p), eq. (3); map eq. (4)) or "dual" (min D(p, q), eq. (3);
+            map eq. (5)).
         k_max: optional cap on the support size (int or per-row tensor, 0 = no cap).
-        top_k: optional fixed support size: generalized top-k (Definition 2) instead of the
+        top_k: optional fixed support size: generalized top-k (Definition 2.2) instead of the
             adaptive k* (int or per-row tensor, 0 = adaptive for that row).
         generator: instead of ``alpha``, any `BregmanGenerator` (phi, phi', phi'', (phi')^-1);
             primal mode needs a primal-valid phi, dual mode a dual-valid one (see `generators`).
@@ -170,8 +171,8 @@ def _check_alpha_rows(alpha: Tensor, mode: str, fixed: Tensor, name: str) -> Non
 
 
 def renormalize(x: Tensor, *, alpha, mode: str = "primal") -> Tensor:
-    """Renormalize sub-probability vectors on a fixed support: T_alpha (eq. ren) or T*_alpha
-    (eq. ren-dual) applied to the whole last dimension of ``x``.
+    """Renormalize sub-probability vectors on a fixed support: T_alpha (eq. (4)) or T*_alpha
+    (eq. (5)) applied to the whole last dimension of ``x``.
 
     ``x`` holds entries >= 0 with row sums <= 1 (sums above 1 by rounding count as 1). Zero
     entries are part of the support: primal alpha > 1 and dual maps give them mass, primal

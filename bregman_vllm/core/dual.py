@@ -1,18 +1,18 @@
-"""Dual alpha-renormalization T*_alpha on a fixed support (eq. ren-dual, Theorem d-ren).
+"""Dual alpha-renormalization T*_alpha on a fixed support (arXiv 2505.19371: eq. (5), Theorem A.1).
 
-The dual map solves min_{q in simplex} sum_i d_phi(p_i, q_i). For phi_alpha, eq. (ren-dual) reads
+The dual map solves min_{q in simplex} sum_i d_phi(p_i, q_i). For phi_alpha, eq. (5) reads
 
     q_i^(alpha-2) (q_i - p_i) = nu   for every i in the support,   sum_i q_i = 1,   nu > 0,
 
 so each q_i is the unique root above p_i of an increasing function (dual validity, alpha > 1).
 Closed forms: alpha = 1 and alpha = 2 coincide with the primal maps (q = p/S and q = p + R/k), and
-alpha = +inf is water-filling (Appendix illus-pd). Every other alpha > 1 is solved by the nested
-root finding of Algorithm alg:dual-renormalization, in log space:
+alpha = +inf is water-filling (Appendix G.3). Every other alpha > 1 is solved by the nested
+root finding of Algorithm 1, in log space:
 
   * outer: s = log nu, bracketed by nu in [R/k, R / sum_i p_i^(2-alpha)] (1 < alpha < 2) or
     nu in [max((R/k)^(alpha-1), R / sum_i p_i^(2-alpha)), R/k] (alpha > 2), from bounds on
-    q_i^(2-alpha), and by nu <= 1 - max_i p_i (Theorem d-ren); Newton on sum_i q_i(s) - 1, which
-    is convex and increasing in s;
+    q_i^(2-alpha), and by nu <= 1 - max_i p_i (proof of Theorem A.1); Newton on
+    sum_i q_i(s) - 1, which is convex and increasing in s;
   * inner: y_i = log(q_i / p_i) > 0 solves
     H(y) = (alpha-1) y + log(1 - e^-y) = s - (alpha-1) log p_i, with H increasing from -inf to
     +inf, by safeguarded Newton in z = log y, warm-started from the previous outer iterate.
@@ -99,7 +99,7 @@ def _closed_inner_log_q(closed: float, lp: Tensor, finite: Tensor, s: Tensor) ->
 
 def nested_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Tensor,
                       k: Tensor, closed: float | None = None) -> Tensor:
-    """Any finite alpha > 1: the nested root finding of Algorithm alg:dual-renormalization.
+    """Any finite alpha > 1: the nested root finding of Algorithm 1.
 
     Outer Newton on s = log nu for sum_i q_i(s) - 1, which is convex and increasing (y_i is convex
     in s and q_i = p_i e^(y_i)), started at the upper end of the bracket so that the iterates
@@ -121,7 +121,7 @@ def nested_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
     low = torch.where(below_two | has_zero, low, torch.maximum(low, log_deficit - log_power_sum))
     high = torch.where(below_two, log_deficit - log_power_sum, log_ratio)
     low, high = torch.minimum(low, high), torch.maximum(low, high)
-    # nu <= phi''(1) (1 - max p) = 1 - p_1 (Theorem d-ren): there q_1 = 1 and every q_i <= 1.
+    # nu <= phi''(1) (1 - max p) = 1 - p_1 (proof of Theorem A.1): there q_1 = 1 and every q_i <= 1.
     high = torch.minimum(high, torch.log1p(-torch.exp(lp[..., 0])))
     low = torch.minimum(low, high)
     # Start: nu = R / sum_i q_i^(2 - alpha) at q = p + R/k (the alpha = 2 solution, exact there).

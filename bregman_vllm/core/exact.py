@@ -14,9 +14,9 @@ Pipeline, per batch of rows (vectorized over rows; loops run over rounds and pro
    alpha = 2, otherwise by one window probe of `PROBE_WINDOW` sizes, then galloping and binary
    search on the sign of G(m) - lambda, each probe solving T_m and T_(m+1) to the rounding
    floor (`roots`) and evaluating G(m) as a sum of nonnegative terms (the Bregman Pythagorean
-   identity). Greedy property (Theorems 3.1, 3.2) and k-convexity (Theorem 3.3) make the first
-   k with G(k) <= lambda the global minimizer. A row whose k* is not certified inside its W
-   candidates goes to the next round with 8 W candidates (up to the whole row).
+   identity). Greedy property and k-convexity (Theorems 3.1, 3.2 and 3.3 of arXiv 2505.19371)
+   make the first k with G(k) <= lambda the global minimizer. A row whose k* is not certified
+   inside its W candidates goes to the next round with 8 W candidates (up to the whole row).
 3. log T_k* on the support, written into the output.
 
 Memory: a round holds a few float64 [rows, W] arrays; rounds whose width would exceed
@@ -26,6 +26,7 @@ Memory: a round holds a few float64 [rows, W] arrays; rounds whose width would e
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -295,37 +296,48 @@ def _final_maps(plan: ExactPlan, cand: _Candidates, k: Tensor, alpha: Tensor, ca
     return out
 
 
-def _decode_rows(p: Tensor, plan: ExactPlan, out: Tensor, k_out: Tensor, to_values) -> None:
-    """Decode every row of ``p`` ([N, V]) and write each round's supports into ``out`` and
-    ``k_out`` as soon as they are known; rows that are not distributions (no positive mass,
-    NaN or inf) are left alone. A round runs its rows in pieces small enough for its width to
-    stay within `MEMORY_BUDGET` (only the whole-row rounds of flat rows are split).
+class _Sink(NamedTuple):
+    """Where finished rows go: ``out`` [N, V], ``k_out`` [N], ``to_values`` (log q to the
+    values written) and ``clear`` (None, or the value a row is reset to just before its support
+    is written, for rows that hold an earlier answer)."""
+
+    out: Tensor
+    k_out: Tensor
+    to_values: Callable[[Tensor], Tensor]
+    clear: float | None
+
+
+def _decode_rows(p: Tensor, plan: ExactPlan, sink: _Sink, pending: Tensor, low: Tensor
+                 ) -> None:
+    """Decode the rows ``pending`` of ``p`` ([N, V]) and write each round's supports into
+    ``out`` and ``k_out`` as soon as they are known; rows that are not distributions (no
+    positive mass, NaN or inf) are left alone. ``low`` ([N]) holds known lower bounds on k*.
+    A round runs its rows in pieces small enough for its width to stay within `MEMORY_BUDGET`
+    (only the whole-row rounds of flat rows are split).
     """
-    n, vocab = p.shape
-    device = p.device
-    pending = torch.arange(n, device=device)
-    low = torch.ones(n, dtype=torch.long, device=device)
+    vocab = p.shape[-1]
     width = min(max(INITIAL_CANDIDATES, 2), vocab)
     while pending.numel():
         if width < vocab:
-            # Fixed-k rows larger than this round's width wait for a wider round.
-            need = plan.fixed_k[pending]
-            ready = need <= width
+            # Rows that need more candidates than this round has (a fixed k larger than its
+            # width, or a k* known to be at least its width) wait for a wider round.
+            ready = (plan.fixed_k[pending] <= width) & (low[pending] < width)
             now, later = pending[ready], pending[~ready]
         else:
             now, later = pending, pending[:0]
         piece = max(1, MEMORY_BUDGET // max(1, width * _BYTES_PER_ENTRY))
         for start in range(0, now.numel(), piece):
-            again = _round(p, plan, now[start:start + piece], width, low, out, k_out, to_values)
+            again = _round(p, plan, now[start:start + piece], width, low, sink)
             later = torch.cat([later, again])
-        pending = later
+        # In order: a round over every row uses ``p`` itself (`_round`), which needs them so.
+        pending = torch.sort(later).values
         width *= _GROWTH
         if width * _FULL_SORT_FRACTION >= vocab:  # a top-k that large costs about a full sort
             width = vocab
 
 
-def _round(p: Tensor, plan: ExactPlan, now: Tensor, width: int, low: Tensor, out: Tensor,
-           k_out: Tensor, to_values) -> Tensor:
+def _round(p: Tensor, plan: ExactPlan, now: Tensor, width: int, low: Tensor, sink: _Sink
+           ) -> Tensor:
     """One candidate round for the rows ``now``; returns the rows that need a wider one."""
     n, vocab = p.shape
     rows_now = p if now.numel() == n else p[now]  # no copy in the common case
@@ -344,25 +356,26 @@ def _round(p: Tensor, plan: ExactPlan, now: Tensor, width: int, low: Tensor, out
     fin = done.nonzero().squeeze(-1)
     if fin.numel() == now.numel():  # every row certified: no copies of the candidates
         log_q = _final_maps(plan, cand, k, plan.alpha[now], cache, cached)
-        _write(out, k_out, [(now, cand.index[:, : log_q.shape[-1]], log_q, k)], to_values)
+        _write(sink, now, cand.index[:, : log_q.shape[-1]], log_q, k)
     elif fin.numel():
         rows = now[fin]
         sub = _take(cand, fin)
         log_q = _final_maps(plan, sub, k[fin], plan.alpha[rows], cache[fin], cached[fin])
-        _write(out, k_out, [(rows, sub.index[:, : log_q.shape[-1]], log_q, k[fin])], to_values)
+        _write(sink, rows, sub.index[:, : log_q.shape[-1]], log_q, k[fin])
     again = (~done).nonzero().squeeze(-1)
     low[now[again]] = width  # G(k) > lambda for every k < width
     return now[again]
 
 
-def _write(out: Tensor, k_out: Tensor, chunks, to_values) -> None:
-    """Write each chunk's support values into ``out`` ([N, V]) without touching other entries."""
-    vocab = out.shape[-1]
-    flat = out.view(-1)
-    for rows, index, log_q, k in chunks:
-        positions = (rows.unsqueeze(-1) * vocab + index).reshape(-1)
-        flat.index_put_((positions,), to_values(log_q).reshape(-1))
-        k_out[rows] = k
+def _write(sink: _Sink, rows: Tensor, index: Tensor, log_q: Tensor, k: Tensor) -> None:
+    """Write the support values of ``rows`` into ``sink.out`` ([N, V]); other entries are left
+    as they are (after the optional reset of those rows)."""
+    out = sink.out
+    if sink.clear is not None:
+        out.index_fill_(0, rows, sink.clear)
+    # (row, column) pairs: ``out`` may be a strided view (the caller's scores, in place).
+    out.index_put_((rows.unsqueeze(-1).expand_as(index), index), sink.to_values(log_q))
+    sink.k_out[rows] = k
 
 
 def _keep_all(p2: Tensor) -> tuple[Tensor, Tensor]:
@@ -386,12 +399,25 @@ def _keep_all(p2: Tensor) -> tuple[Tensor, Tensor]:
 
 
 
-def decode_exact(out: Tensor, k_out: Tensor, p: Tensor, plan: ExactPlan, to_values) -> None:
-    """Decode every row of ``p`` ([n, V] probabilities, entries >= 0) with the exact path and
-    write the supports into ``out`` ([n, V], pre-filled with the value off the support) and the
-    sizes into ``k_out``; rows that are not distributions are left as ``out`` has them.
+def decode_exact(out: Tensor, k_out: Tensor, p: Tensor, plan: ExactPlan,
+                 to_values: Callable[[Tensor], Tensor], rows: Tensor | None = None,
+                 low: Tensor | None = None, clear: float | None = None) -> None:
+    """Decode the rows of ``p`` ([n, V] probabilities, entries >= 0) with the exact path and
+    write the supports into ``out`` ([n, V], pre-filled with the value off the support on the
+    decoded rows) and the sizes into ``k_out``; rows that are not distributions are left as
+    ``out`` has them.
+
+    ``rows`` (sorted positions, default every row) limits the work to those rows, and ``low``
+    ([n]) gives known lower bounds on their k* (default 1): a row whose k* is known to be at
+    least the first round's width starts with a wider round. ``plan`` holds the parameters of
+    all n rows. With ``clear``, ``out`` may hold an earlier answer on those rows: each row is
+    reset to ``clear`` just before its support is written (a row the path never finishes, when
+    it raises, keeps what it had).
 
     Memory: rounds over whole rows run in row pieces of at most `MEMORY_BUDGET` bytes, and
     every finished row is written out at once (no float64 [n, V] array is ever held).
     """
-    _decode_rows(p, plan, out, k_out, to_values)
+    n = p.shape[0]
+    pending = torch.arange(n, device=p.device) if rows is None else rows
+    bounds = torch.ones(n, dtype=torch.long, device=p.device) if low is None else low.clone()
+    _decode_rows(p, plan, _Sink(out, k_out, to_values, clear), pending, bounds)

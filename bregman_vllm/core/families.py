@@ -6,21 +6,22 @@ the per-row dispatch of the exact path, `has_closed_gaps` for the gap formulas),
 is never picked by a float comparison written somewhere else.
 
 Paper: Noarov, Mallick, Wang et al., "Foundations of Top-k Decoding for Language Models",
-arXiv 2505.19371. The primal map is eq. (5) (Definition 5 for phi_alpha), the dual map eq. (6);
-the closed forms are Proposition 1 (alpha = -inf, 3/2, 2, +inf).
+arXiv 2505.19371. The primal map is eq. (4) (Definition 4.1 for phi_alpha), the dual map eq. (5);
+the closed forms are Proposition 4.1 (primal alpha = -inf, 3/2, 2, +inf); the primal and dual
+maps coincide at alpha in {1, 2, +inf} (Appendix G.3).
 
 =================  ====================================================================
 family             rows
 =================  ====================================================================
 ``KEEP_ALL``       lambda = 0, no fixed k, no cap: k* is the whole support (cost(k) decreases)
 ``KL``             primal alpha = 1 (standard top-k renormalization, eq. (1)); dual alpha = 1
-``THREE_HALVES``   primal alpha = 3/2 (Proposition 1)
-``SQUARE``         alpha = 2, primal or dual (the two maps coincide, Proposition 1)
-``WATER``          alpha = +inf, fixed k (water-filling, Proposition 1), primal or dual
+``THREE_HALVES``   primal alpha = 3/2 (Proposition 4.1)
+``SQUARE``         alpha = 2, primal or dual (Proposition 4.1; the two maps coincide)
+``WATER``          alpha = +inf, fixed k (water-filling, Proposition 4.1), primal or dual
 ``ARGMAX``         primal alpha = -inf, fixed k (the deficit goes to the argmax)
 ``POWER``          primal alpha in [1.1, 7], other values: q_i = (p_i^b + w)^(1/b), b = alpha - 1,
                    one scalar w per (row, k) by Newton in linear space
-``DUAL_THREE_HALVES``  dual alpha = 3/2: the inner equation of eq. (6) is a quadratic in sqrt(q)
+``DUAL_THREE_HALVES``  dual alpha = 3/2: the inner equation of eq. (5) is a quadratic in sqrt(q)
 ``DUAL_THREE``     dual alpha = 3: the inner equation is a quadratic in q
 ``EXACT``          everything else (alpha near 1 or large, alpha < 1, other dual alphas, a user
                    generator): the exact log-space path of `exact`
@@ -119,7 +120,7 @@ def newton_iterations(family: Family, alphas: list[float]) -> int:
 def primal_family_masks(alpha: Tensor, no_deficit: Tensor) -> list[tuple[Family, Tensor]]:
     """Per-row families of the exact primal map (one boolean mask each, disjoint, covering
     every row): rows without a deficit and alpha = 1 take the KL map, the special alphas of
-    Proposition 1 their closed forms, every other alpha the safeguarded Newton (``POWER``)."""
+    Proposition 4.1 their closed forms, every other alpha the safeguarded Newton (``POWER``)."""
     kl = no_deficit | (alpha == 1.0)
     masks = [(Family.KL, kl)]
     taken = kl

@@ -1,23 +1,24 @@
-"""The cost gap G(k) = cost(k) - cost(k + 1) + lambda that decides k* (Theorem convex_cost).
+"""The cost gap G(k) = cost(k) - cost(k + 1) + lambda that decides k* (Theorem 3.3 of arXiv
+2505.19371).
 
-cost(k) (eq. regularised-cost) is discretely convex, so with L(k) = cost(k) - lambda k the gaps
+cost(k) (eq. (6)) is discretely convex, so with L(k) = cost(k) - lambda k the gaps
 G(k) = L(k) - L(k+1) are nonincreasing and
 
-    k* = min { k : G(k) <= lambda }        (ties go to the smaller support, as in Algorithm
-                                              alg:binary-search).
+    k* = min { k : G(k) <= lambda }        (ties go to the smaller support, as in
+                                              Algorithm 2).
 
 We never form L(k) itself (it is a sum over the whole vocabulary); G(k) is written as a sum of
 nonnegative terms over the top k+1 entries, so it has no cancellation:
 
 Primal. T_k is the Bregman projection onto the face {supp q in [k], sum q = 1}, which contains the
-face of size k, so the Bregman Pythagorean identity (equivalently eqs. L-eq and W of Appendix
-app:proof_discrete_convexity_primal) gives
+face of size k, so the Bregman Pythagorean identity (equivalently eqs. (15) and (16) of Appendix D)
+gives
 
     G(k) = D_phi(T_k(p), T_(k+1)(p)) = sum_{i<=k} d_phi(q_i, q'_i) + d_phi(0, q'_(k+1)),
 
 with q = T_k(p), q' = T_(k+1)(p). For phi_alpha, d(0, q') = q'^alpha / alpha.
 
-Dual. With nu' the multiplier of T*_(k+1) and theta_x(y) = phi''(y)(y - x), eq. (ren-dual) gives
+Dual. With nu' the multiplier of T*_(k+1) and theta_x(y) = phi''(y)(y - x), eq. (5) gives
 sum_{i<=k} (q_i - q'_i) = q'_(k+1), hence
 
     G*(k) = sum_{i<=k} [d(p_i, q_i) - d(p_i, q'_i) - theta_{p_i}(q'_i)(q_i - q'_i)]

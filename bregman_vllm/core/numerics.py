@@ -50,9 +50,10 @@ _SERIES_TERMS = 16  # enough for |rho|, |alpha rho| <= 1/4 to reach float64 prec
 def bregman_alpha_kernel(alpha: Tensor, rho: Tensor) -> Tensor:
     """log K_alpha(rho), where d_alpha(a, b) = b^alpha * K_alpha(log a - log b).
 
-    For the generator phi_alpha(x) = x^alpha / (alpha (alpha - 1)) of Section ex, the Bregman
-    divergence is d(a, b) = [a^alpha + (alpha-1) b^alpha - alpha a b^(alpha-1)] / (alpha (alpha-1)),
-    so with rho = log(a / b):
+    For the generator phi_alpha(x) = x^alpha / (alpha (alpha - 1)) of arXiv 2505.19371,
+    Section 4, the Bregman divergence is
+    d(a, b) = [a^alpha + (alpha-1) b^alpha - alpha a b^(alpha-1)] / (alpha (alpha-1)), so with
+    rho = log(a / b):
 
         K_alpha(rho) = [expm1(alpha rho) - alpha expm1(rho)] / (alpha (alpha - 1))
                      = sum_{n >= 2} (1 + alpha + ... + alpha^(n-2)) rho^n / n!,

@@ -1,10 +1,11 @@
-"""Primal alpha-renormalization T_alpha on a fixed support (eq. ren, Definition alpha-ren-def).
+"""Primal alpha-renormalization T_alpha on a fixed support (arXiv 2505.19371: eq. (4) with
+phi_alpha, i.e. Definition 4.1).
 
-For phi_alpha(x) = x^alpha / (alpha (alpha - 1)), f = phi' and eq. (ren) give
+For phi_alpha(x) = x^alpha / (alpha (alpha - 1)), f = phi' and eq. (4) give
 
     q_i^(alpha-1) = p_i^(alpha-1) + t,   t chosen so that sum_i q_i = 1,
 
-with the closed forms of Proposition alpha-special-cases:
+with the closed forms of Proposition 4.1 (special primal alpha-renormalization maps):
 
     alpha = 1     q = p / S                                  (standard top-k)
     alpha = 3/2   q_i = (sqrt(p_i) + c)^2, c = R / (sqrt(r^2 + k R) + r)
@@ -51,14 +52,14 @@ def kl_log_renorm(log_p: Tensor, mask: Tensor) -> Tensor:
 
 
 def square_log_renorm(log_p: Tensor, mask: Tensor, log_deficit: Tensor, k: Tensor) -> Tensor:
-    """alpha = 2: q_i = p_i + R / k (Proposition 1)."""
+    """alpha = 2: q_i = p_i + R / k (Proposition 4.1)."""
     shift = (log_deficit - torch.log(k.to(log_p.dtype))).unsqueeze(-1)
     return torch.logaddexp(log_p, shift).masked_fill_(~mask, -math.inf)
 
 
 def three_halves_log_renorm(log_p: Tensor, mask: Tensor, log_deficit: Tensor,
                             k: Tensor) -> Tensor:
-    """alpha = 3/2: q_i = (sqrt(p_i) + c)^2 with c = R / (sqrt(r^2 + k R) + r) (Proposition 1).
+    """alpha = 3/2: q_i = (sqrt(p_i) + c)^2 with c = R / (sqrt(r^2 + k R) + r) (Proposition 4.1).
 
     This is the paper's c = [sqrt(r^2 + k(1 - s)) - r] / k, rationalized so that it does not
     cancel when k R is small against r^2.
@@ -72,7 +73,7 @@ def three_halves_log_renorm(log_p: Tensor, mask: Tensor, log_deficit: Tensor,
 
 
 def water_filling_log_renorm(log_p: Tensor, mask: Tensor, log_deficit: Tensor) -> Tensor:
-    """alpha = +inf: q_i = max(p_i, c) with sum_i q_i = 1 (Proposition 1).
+    """alpha = +inf: q_i = max(p_i, c) with sum_i q_i = 1 (Proposition 4.1).
 
     With j entries above the water, c_j = (1 - S_j) / (k - j); the level is c_j for the smallest
     j with c_j >= p_(j+1). 1 - S_j is formed as R plus the masked suffix sum (no cancellation).
@@ -143,7 +144,7 @@ def _normalized(log_q: Tensor, mask: Tensor) -> Tensor:
 
 def newton_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Tensor,
                       k: Tensor) -> Tensor:
-    """Any finite alpha != 0: solve sum_i q_i = 1 with q_i from eq. (ren) by safeguarded Newton.
+    """Any finite alpha != 0: solve sum_i q_i = 1 with q_i from eq. (4) by safeguarded Newton.
 
     beta = alpha - 1 > 0, in the water level tau = log c: sum_i q_i(tau) is convex and increasing.
     The start tau_KL (q_1 equal to its KL value p_1 / S) has sum q >= 1, so Newton decreases

@@ -1,8 +1,8 @@
-"""The one safeguarded Newton iteration of the exact path (maps of eqs. (5) and (7)).
+"""The one safeguarded Newton iteration of the exact path (maps of eqs. (4) and (5)).
 
 Every map without a closed form reduces to scalar root finding (Section 3.1 of arXiv
-2505.19371): one unknown per row for the primal map (the level w of eq. (5)), and for the dual
-map one outer unknown per row (nu of eq. (7)) and one inner unknown per entry (Algorithm 1).
+2505.19371): one unknown per row for the primal map (the level w of eq. (4)), and for the dual
+map one outer unknown per row (nu of eq. (5)) and one inner unknown per entry (Algorithm 1).
 All three are solved here, elementwise over a batch, to the rounding floor. (The fixed-shape
 step of `window` runs a fixed number of plain Newton steps instead, from starts that make them
 monotone, and certifies the result.)

@@ -6,16 +6,17 @@ group of the plan (`plan`: rows of one formula family), in order:
 1. p = softmax(logits) (or the given probabilities, negatives counted as 0), rows gathered from
    the batch only when the group is not the whole batch;
 2. the candidates: the top `width` entries and the deficits R_k (`candidates`);
-3. the support size and the map: fixed k, or the adaptive k* over a fixed window of sizes
-   (`window`), with a certificate for rows whose answer could lie outside what the window
-   decided;
+3. the support size and the map: fixed k, or the adaptive k* (the minimizer of cost(k), eq. (6)
+   of arXiv 2505.19371) over a fixed window of sizes (`window`), with a certificate for rows
+   whose answer could lie outside what the window decided;
 4. the output: log q (or q) on the support, -inf (or 0) elsewhere; rows that are not
    distributions (NaN, no mass) come back unchanged.
 
 Then one host sync, only for plans that can produce uncertified rows: if any row of any group
 is uncertified, those rows are decoded again by the exact path (`exact`, value-dependent). Plans
-whose every row is certified by construction (closed-form or fixed-k families whose k_max fits
-the window) never sync. Everything before the sync is a fixed sequence of ops on fixed shapes.
+whose every support fits the window (every row's k_max, or a fixed top-k, at most the window)
+never sync, whatever the family (`_support_and_map`). Everything before the sync is a fixed
+sequence of ops on fixed shapes.
 
 Extra memory of one step (besides the output) is bounded for any parameters: the
 probabilities of the decoded rows (one [n, V] tensor in the score dtype), a gathered copy of the
@@ -52,6 +53,7 @@ class _Result(NamedTuple):
     k: Tensor  # [n]
     needs: Tensor | None  # [n] rows to decode again with the exact path (None: none can)
     p: Tensor | None  # [n, V] probabilities, kept for the exact path
+    past: Tensor | None = None  # [n] rows whose k* is certified to be >= the window
 
 
 def decode_step(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = False
@@ -119,6 +121,7 @@ def _decode_group(scores: Tensor, group: Group, logits: bool, inplace: bool) -> 
                            for start in range(0, rows.shape[0], chunk))]
     k = torch.cat([part[1] for part in parts])
     needs = None if parts[0][2] is None else torch.cat([part[2] for part in parts])
+    # Fixed-k rows: no window search, so no ``past`` bound (parts[0][4] is None).
     return _Result(out, k, needs, torch.cat([part[3] for part in parts]))
 
 
@@ -156,10 +159,11 @@ class _Static:
 
 
 def fixed_shape_group(rows: Tensor, static: _Static, alpha, lam, size, logits: bool,
-                      writable: bool) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+                      writable: bool
+                      ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
     """Steps 1-4 of the module docstring for one group: a fixed sequence of ops on fixed
     shapes, no host sync. Returns (decoded rows, k, rows needing the exact path or None, the
-    probabilities)."""
+    probabilities, rows among those whose k* is certified >= the window or None)."""
     p = _probabilities(rows, logits, writable)
     cand = candidates(p, static.width)
     valid = (cand.total > 0) if logits else (cand.total > 0) & (cand.total < math.inf)
@@ -169,28 +173,36 @@ def fixed_shape_group(rows: Tensor, static: _Static, alpha, lam, size, logits: b
     # Rows that are not distributions get their own values back.
     values = torch.where(valid.unsqueeze(-1), values.to(rows.dtype), torch.gather(rows, 1, index))
     # Off the support: -inf (logits) or 0 (probabilities) on valid rows, the row's own values
-    # elsewhere; as a clamp with per-row bounds, one fast pass (a broadcast masked_fill or where
-    # is several times slower on CPU).
+    # elsewhere; as one-sided bounds per row, each one fast pass (measured on CPU at
+    # [64, 128256]: an in-place one-sided clamp 0.3 ms; a two-sided clamp with tensor bounds,
+    # a broadcast where or masked_fill 2.4 to 4.4 ms).
+    high = torch.where(valid, -math.inf if logits else 0.0, math.inf).unsqueeze(-1)
+    high = high.to(rows.dtype)
     if logits:
-        high = torch.where(valid, -math.inf, math.inf).unsqueeze(-1).to(rows.dtype)
-        out = rows.clamp_(max=high) if writable else torch.clamp(rows, max=high)
+        out = rows.clamp_(max=high) if writable else torch.minimum(rows, high)
     else:
         low = torch.where(valid, 0.0, -math.inf).unsqueeze(-1).to(rows.dtype)
-        high = torch.where(valid, 0.0, math.inf).unsqueeze(-1).to(rows.dtype)
-        out = rows.clamp_(low, high) if writable else torch.clamp(rows, low, high)
+        out = rows.clamp_(max=high) if writable else torch.minimum(rows, high)
+        out = out.clamp_(min=low)
     out.scatter_(1, index, values)
     needs = None if decoded.uncertain is None else decoded.uncertain & valid
-    return out, decoded.k * valid, needs, p
+    return out, decoded.k * valid, needs, p, decoded.past
 
 
 def _support_and_map(cand: Candidates, static: _Static, alpha, lam, size) -> Decoded:
+    """Step 3. Iterative families whose every support fits the first window (adaptive groups
+    with `Group.bounded`, fixed sizes up to `WINDOW`) take the fixed Newton iterations' answer
+    as final: their only certificates are numerical (convergence, near-ties), which a sweep of
+    extreme inputs never sees fail (`tests/test_gpu_readiness.py`), so such groups never sync.
+    Elsewhere a row the window may not hold still goes to the exact path."""
     family = static.family
     if static.fixed:
         k = torch.minimum(cand.known, size) if isinstance(size, Tensor) \
             else cand.known.clamp_max(size)
         if family in ITERATIVE_FAMILIES:
             return iterative_fixed(family, cand, alpha, k, static.width, static.iterations,
-                                   static.below_two, static.above_two)
+                                   static.below_two, static.above_two,
+                                   certify=static.width > WINDOW)
         return Decoded(k, closed_map(family, cand, k, static.width), None)
     if not static.capped:
         limit = cand.known
@@ -201,7 +213,8 @@ def _support_and_map(cand: Candidates, static: _Static, alpha, lam, size) -> Dec
     if family in CLOSED_GAP_FAMILIES:
         return closed_search(family, cand, lam, limit, static.window, static.bounded)
     return iterative_search(family, cand, alpha, lam, limit, static.window, static.iterations,
-                            static.bounded, static.below_two, static.above_two)
+                            static.bounded, static.below_two, static.above_two,
+                            certify=not static.bounded)
 
 
 # ----------------------------------------------------------------------------- compilation
@@ -253,7 +266,7 @@ def compiled_group(static: _Static):
 
 
 def _fast(rows: Tensor, static: _Static, alpha, lam, size, logits: bool, writable: bool
-          ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+          ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
     if compile_enabled(rows.device) and not _COMPILED.get("failed"):
         try:
             return compiled_group(static)(rows, alpha, lam, size, logits, writable)
@@ -267,12 +280,12 @@ def _fast(rows: Tensor, static: _Static, alpha, lam, size, logits: bool, writabl
 # ----------------------------------------------------------------------------- exact path
 
 
-def _exact_inputs(group: Group, device: torch.device, rows: Tensor | None = None):
+def _exact_inputs(group: Group, device: torch.device):
     def per_row(name: str, dtype: torch.dtype) -> Tensor:
         values = torch.tensor(group.host[name], dtype=dtype, device=device)
         if values.numel() == 1:  # shared by the whole group
             values = values.expand(group.count)
-        return values if rows is None else values[rows]
+        return values
 
     alpha = per_row("alpha", torch.float64)
     lam = per_row("lam", torch.float64)
@@ -304,18 +317,20 @@ def _filled(rows: Tensor, p: Tensor, logits: bool) -> tuple[Tensor, Tensor]:
 
 
 def _redo_uncertified(result: _Result, group: Group, logits: bool) -> _Result:
-    """Decode the group's uncertified rows again with the exact path (after the sync)."""
+    """Decode the group's uncertified rows again with the exact path (after the sync), in
+    place: their window answer is cleared and the exact supports written over it. Rows the
+    window showed to need more sizes than it has skip the exact path's first round."""
     if result.needs is None:
         return result
     redo = result.needs.nonzero().squeeze(-1)
     if redo.numel() == 0:
         return result
-    p = result.p[redo]
-    scores = result.out[redo]
-    out, k = _filled(scores, p, logits)
-    decode_exact(out, k, p, _exact_inputs(group, p.device, redo), _writer(logits, out.dtype))
-    result.out.index_copy_(0, redo, out)
-    result.k.index_copy_(0, redo, k)
+    low = None if result.past is None else torch.where(result.past, group.window, 1)
+    # Uncertified rows are distributions (``needs`` excludes the others): cleared off the
+    # support as the exact path writes them.
+    decode_exact(result.out, result.k, result.p, _exact_inputs(group, result.p.device),
+                 _writer(logits, result.out.dtype), rows=redo, low=low,
+                 clear=-math.inf if logits else 0.0)
     return result
 
 

@@ -17,7 +17,12 @@ function returns, with k* and log T_k*, whether the row is *certified*:
   than the rounding bound of the formula that computed G.
 
 An uncertified row is decoded again by the exact path (`exact`), so certification trades speed,
-never exactness.
+never exactness. The step asks the iterative families for the numerical certificate
+(``certify``) only where a row's support may pass the window: where every support fits it, the
+certificate never fails on any input the tests know (`tests/test_gpu_readiness.py` sweeps
+extreme rows), and leaving it out removes the step's only host sync there. The Newton updates
+keep w and nu at or above 0 (where their roots lie), so a rounding overshoot can never turn a
+power or square root into NaN.
 
 Gap formulas. Closed forms (`gaps`) for alpha = 1 (primal), 3/2 (primal) and 2. For the
 iterative families, G(k) = [H(k) - H(k + 1)] / (alpha (alpha - 1)) with one scalar H per size,
@@ -25,8 +30,8 @@ iterative families, G(k) = [H(k) - H(k + 1)] / (alpha (alpha - 1)) with one scal
     primal (q_i^b = p_i^b + w_k, b = alpha - 1):   H(k) = alpha w_k - (alpha - 1) sum_i q_i^alpha
     dual   (q_i^b - p_i q_i^(b-1) = nu_k):         H(k) = alpha nu_k - sum_i q_i^alpha
 
-over the support of T_k. Both follow from substituting the maps of eqs. (5) and (7) into
-cost(k) = D(T_k(p), p) + lambda k (resp. D(p, T*_k(p)) + lambda k, eq. (8)); the primal one is
+over the support of T_k. Both follow from substituting the maps of eqs. (4) and (5) into
+cost(k) = D(T_k(p), p) + lambda k (resp. D(p, T*_k(p)) + lambda k, eq. (6)); the primal one is
 stationary in w at the solution, so a Newton residual enters it only to second order.
 """
 
@@ -57,12 +62,15 @@ MARGIN = 1e-12
 
 
 class Decoded(NamedTuple):
-    """k* per row, log T_k* on the first W' candidates (-inf past k*), and which rows are not
-    certified (None: every row is certified by construction)."""
+    """k* per row, log T_k* on the first W' candidates (-inf past k*), which rows are not
+    certified (None: every row is certified by construction), and for those a lower bound on
+    k* that the window did certify (``past``: the row needs sizes past the window only, every
+    G(k) of the window being clearly above lambda; None: no such row)."""
 
     k: Tensor
     log_q: Tensor
     uncertain: Tensor | None
+    past: Tensor | None = None
 
 
 def column(value: Scalar, dims: int = 1) -> Scalar:
@@ -107,7 +115,7 @@ def closed_gaps(family: Family, x: Tensor, deficit: Tensor) -> Tensor:
 
 def closed_map(family: Family, cand: Candidates, k: Tensor, width: int) -> Tensor:
     """log T_k on the first ``width`` candidates for the closed-form families: the maps of
-    `primal` (eq. (1) and Proposition 1), applied to the candidates."""
+    `primal` (eq. (1) and Proposition 4.1), applied to the candidates."""
     log_x = torch.log(cand.x[:, :width])
     inside = _arange(width, log_x.device) < k.unsqueeze(-1)
     log_deficit = torch.log(torch.gather(cand.deficit, 1, (k - 1).unsqueeze(-1)).squeeze(-1))
@@ -131,7 +139,9 @@ def closed_search(family: Family, cand: Candidates, lam: Scalar, limit: Tensor, 
     stop = (gaps <= column(lam)) | (sizes >= limit.unsqueeze(-1))
     k = first_stop(stop, window)
     uncertain = None if bounded else _beyond_window(k, limit, window)
-    return Decoded(k, closed_map(family, cand, k, window), uncertain)
+    # Closed forms are exact up to rounding: a row past the window saw G(k) > lambda for every
+    # k < window.
+    return Decoded(k, closed_map(family, cand, k, window), uncertain, uncertain)
 
 
 # ----------------------------------------------------------------------------- iterative
@@ -162,7 +172,7 @@ def _masked_sum(values: Tensor, mask: Tensor) -> Tensor:
 def power_solve(x: Tensor, deficit: Tensor, sizes: Tensor, mask: Tensor, alpha: Scalar,
                 iterations: int, any_below_two: bool, any_above_two: bool) -> Solved:
     """Primal T_k for alpha in `families.POWER_RANGE`: q_i = (p_i^b + w)^(1/b), b = alpha - 1
-    (eq. (5) with phi_alpha, Definition 5), sum_i q_i = 1.
+    (eq. (4) with phi_alpha, Definition 4.1), sum_i q_i = 1.
 
     In units of the largest entry (r_i = x_i / x_1, v = w / x_1^b, s_i = q_i / x_1) the
     constraint is F(v) = sum_i (r_i^b + v)^(1/b) - 1 / x_1 = 0. F is concave in v for b >= 1 and
@@ -192,6 +202,9 @@ def power_solve(x: Tensor, deficit: Tensor, sizes: Tensor, mask: Tensor, alpha: 
             v = torch.addcdiv(v, residual * negative_b, slope)
         else:
             v = torch.addcdiv(v, residual, slope, value=negative_b)
+        # w >= 0 (mass is only added); a rounding overshoot past a root at 0 (no deficit)
+        # would make r^b + v negative for tiny entries and their power NaN.
+        v = v.clamp_min(0.0)
     a = powers + v.unsqueeze(-1)
     s = a.pow(exponent) * mask
     residual = (s.sum(-1) - inv_x1) * x[:, :1]
@@ -207,7 +220,7 @@ def power_solve(x: Tensor, deficit: Tensor, sizes: Tensor, mask: Tensor, alpha: 
 
 def dual_quadratic_solve(x: Tensor, deficit: Tensor, sizes: Tensor, mask: Tensor, alpha: float,
                          iterations: int) -> Solved:
-    """Dual T*_k for alpha in {3/2, 3}, where the inner equation of eq. (7),
+    """Dual T*_k for alpha in {3/2, 3}, where the inner equation of eq. (5),
     q^(alpha-2) (q - p) = nu, is a quadratic (Algorithm 1 needs no inner loop):
 
         alpha = 3/2:  sqrt(q) = (nu + sqrt(nu^2 + 4 p)) / 2   (F convex in nu)
@@ -216,7 +229,7 @@ def dual_quadratic_solve(x: Tensor, deficit: Tensor, sizes: Tensor, mask: Tensor
     Newton on F(nu) = sum_i q_i(nu) - 1 from a start on the side that makes it monotone:
     alpha = 3/2 from nu = R / sum_i (p_i + R/k)^(1/2) (the alpha = 2 solution; F is convex, so
     every start converges monotonically after the first step), alpha = 3 from the lower bound
-    nu >= max((R/k)^2, R / sum_i 1/p_i) (q_i <= 1 and q_i >= p_i in eq. (7)).
+    nu >= max((R/k)^2, R / sum_i 1/p_i) (q_i <= 1 and q_i >= p_i in eq. (5)).
     H(k) = alpha nu - sum_i q_i^alpha.
     """
     xs = _nonzero(x).unsqueeze(1)  # [n, 1, W']
@@ -248,6 +261,9 @@ def dual_quadratic_solve(x: Tensor, deficit: Tensor, sizes: Tensor, mask: Tensor
         # dF/dnu = sum_i 1 / root_i
         nu = torch.addcdiv(nu, q2.sum(-1) - 2.0, _masked_sum(torch.reciprocal(root), mask),
                            value=-0.5)
+        # nu = q (q - p) >= 0; a rounding overshoot below 0 (no deficit) would make
+        # p^2 + 4 nu negative for entries below 1e-154 and their root NaN.
+        nu = nu.clamp_min(0.0)
     root = torch.sqrt(square + 4.0 * nu.unsqueeze(-1))
     q2 = (xs + root) * mask
     residual = q2.sum(-1) * 0.5 - 1.0
@@ -266,10 +282,12 @@ def _solve(family: Family, cand: Candidates, deficit: Tensor, sizes: Tensor, mas
 
 def iterative_search(family: Family, cand: Candidates, alpha: Scalar, lam: Scalar,
                      limit: Tensor, window: int, iterations: int, bounded: bool,
-                     below_two: bool = False, above_two: bool = True) -> Decoded:
+                     below_two: bool = False, above_two: bool = True, *,
+                     certify: bool = True) -> Decoded:
     """Adaptive k* for POWER and the dual quadratic families: T_k for k = 1 .. window at
-    once, the gaps from H, and the certificate (convergence up to the limit, decisions clear
-    of the rounding bound of H differences)."""
+    once, the gaps from H, and (with ``certify``) the certificate: convergence up to the
+    limit, decisions clear of the rounding bound of H differences, k* inside the window
+    unless ``bounded``. Without ``certify`` nothing is flagged (``uncertain`` is None)."""
     device = cand.x.device
     sizes = _arange(window + 1, device, torch.float64)[1:]
     mask = _triangle(window, device)
@@ -282,31 +300,38 @@ def iterative_search(family: Family, cand: Candidates, alpha: Scalar, lam: Scala
     below = count[:-1] < limit.unsqueeze(-1)  # sizes whose gap may decide k*
     stop = (drop <= threshold) | ~below
     k = first_stop(stop, window)
+    pick = (k - 1).view(-1, 1, 1).expand(-1, 1, window)
+    log_q = support_log(torch.gather(solved.q, 1, pick).squeeze(1))
+    if not certify:
+        return Decoded(k, log_q, None)
     # Not certified: a size up to the limit did not converge, or a comparison of a size below
     # the limit is within the rounding bound of h(k) - h(k+1).
     magnitude = h.abs()
     rounding = (magnitude[:, :-1] + magnitude[:, 1:]) * MARGIN
     close = ((drop - threshold).abs() <= rounding) & below
-    unconverged = (solved.residual.abs() > TOLERANCE) & (count <= limit.unsqueeze(-1))
-    uncertain = close.any(-1) | unconverged.any(-1)
+    # (written so that a NaN residual counts as not converged)
+    unconverged = ~(solved.residual.abs() <= TOLERANCE) & (count <= limit.unsqueeze(-1))
+    unsure = close.any(-1) | unconverged.any(-1)
+    past = None
     if not bounded:
-        uncertain |= _beyond_window(k, limit, window)
-    pick = (k - 1).view(-1, 1, 1).expand(-1, 1, window)
-    q = torch.gather(solved.q, 1, pick).squeeze(1)
-    return Decoded(k, support_log(q), uncertain)
+        beyond = _beyond_window(k, limit, window)
+        past = beyond & ~unsure  # every decision of the window stands: k* >= window
+        unsure = unsure | beyond
+    return Decoded(k, log_q, unsure, past)
 
 
 def iterative_fixed(family: Family, cand: Candidates, alpha: Scalar, k: Tensor, width: int,
-                    iterations: int, below_two: bool = False, above_two: bool = True
-                    ) -> Decoded:
-    """T_k for a fixed size per row (generalized top-k, Definition 2)."""
+                    iterations: int, below_two: bool = False, above_two: bool = True, *,
+                    certify: bool = True) -> Decoded:
+    """T_k for a fixed size per row (generalized top-k, Definition 2.2); with ``certify``,
+    rows whose Newton residual is above `TOLERANCE` are flagged."""
     at = (k - 1).unsqueeze(-1)
     deficit = torch.gather(cand.deficit, 1, at)  # [n, 1]
     sizes = k.unsqueeze(-1).to(torch.float64)
     mask = (_arange(width, k.device) < k.view(-1, 1, 1)).to(torch.float64)
     solved = _solve(family, cand, deficit, sizes, mask, alpha, iterations, width, below_two,
                     above_two)
-    uncertain = solved.residual.squeeze(-1).abs() > TOLERANCE
+    uncertain = ~(solved.residual.squeeze(-1).abs() <= TOLERANCE) if certify else None
     return Decoded(k, support_log(solved.q.squeeze(1)), uncertain)
 
 

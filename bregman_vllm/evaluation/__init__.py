@@ -1,4 +1,4 @@
-"""Evaluation harness and figures for Bregman decoding (paper Section 5 and appendix).
+"""Evaluation harness and figures for Bregman decoding (arXiv 2505.19371, Section 5, App. H).
 
     bregman-eval run --endpoint http://127.0.0.1:8000/v1 ...   (see `bregman_vllm.evaluation.cli`)
     bregman-eval plot --result out/eval/results.json

@@ -11,9 +11,9 @@ on the command line as a small spec string (`parse_config`)::
     sample                     plain sampling from softmax(logits / T)
     ...@open / ...@gsm8k       restrict the configuration to some tasks ("@open+gsm8k")
 
-The paper's "full" evaluation is the adaptive form (with k_max = 50); its "partial" evaluation is
-the fixed-k form on a grid of k; its matched top-k baseline is ``topk:round(mean k*)`` of an
-adaptive configuration (`matched_baseline`).
+The paper's (arXiv 2505.19371, Section 5.1) "full" evaluation is the adaptive form (with
+k_max = 50); its "partial" evaluation is the fixed-k form on a grid of k; its matched top-k
+baseline is ``topk:round(mean k*)`` of an adaptive configuration (`matched_baseline`).
 """
 
 from __future__ import annotations
@@ -167,7 +167,8 @@ def parse_config(spec: str, *, default_temperature: float = 1.0,
 def grid_configs(ks: list[int], alphas: list[float], temperature: float = 1.0,
                  tasks: tuple[str, ...] | None = ("open",)) -> list[DecodingConfig]:
     """The paper's partial evaluation: for each k, top-k and primal alpha-renormalized top-k
-    (generalized top-k, Definition gentopk) for each alpha (alpha = 1 is top-k itself)."""
+    (generalized top-k, Definition 2.2 of arXiv 2505.19371) for each alpha (alpha = 1 is top-k
+    itself)."""
     configs: list[DecodingConfig] = []
     for k in ks:
         configs.append(DecodingConfig("topk", temperature, top_k=k, tasks=tasks))

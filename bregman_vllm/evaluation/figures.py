@@ -1,17 +1,20 @@
-"""The paper's explanatory figures, and the text-generation figure from an evaluation result.
+"""The paper's explanatory figures (arXiv 2505.19371), and the text-generation figure from an
+evaluation result.
 
 Each function writes one PNG (matplotlib, Agg backend) and returns its path:
 
-* `plot_alpha_reshape`   Figure 1: how alpha reshapes a Zipf-like distribution after selecting
-                         k = 10 tokens (primal alpha in {0.25, 1, 2.5}; alpha = 1 is top-k).
-* `plot_renorm_maps`     the renormalization figure: primal T_alpha and dual T*_alpha applied to
+* `plot_alpha_reshape`   the figure of Section 1 (it has no caption, hence no number): how
+                         alpha reshapes a Zipf-like distribution after selecting k = 10 tokens
+                         (primal alpha in {0.25, 1, 2.5}; alpha = 1 is top-k).
+* `plot_renorm_maps`     Figure 2: primal T_alpha and dual T*_alpha applied to
                          x = 0.67 / sum(i/k) [1, (k-1)/k, ..., 1/k], k = 100.
-* `plot_peaked`          the appendix comparison on the peaked vector [0.1, 0.001 x 4]: both
+* `plot_peaked`          Figure 4 (Appendix G.3) on the peaked vector [0.1, 0.001 x 4]: both
                          families agree at alpha in {1, 2, inf}.
-* `plot_cost_curves`     the discrete-convexity figure: cost(k) = Div(T_k(p) padded with zeros, p)
-                         + lambda k against k, primal and dual, V = 80, lambda = 1/80, with the
-                         minimizer k* that `bregman_decode` returns marked on each curve.
-* `plot_gaps_vs_k`       the text-generation figure: perplexity and repetition gaps against k from
+* `plot_cost_curves`     Figure 6 (Appendix G.5): the discrete convexity of
+                         cost(k) = Div(T_k(p) padded with zeros, p) + lambda k against k,
+                         primal and dual, V = 80, lambda = 1/80, with the minimizer k* that
+                         `bregman_decode` returns marked on each curve.
+* `plot_gaps_vs_k`       Figure 3 (text generation): perplexity and repetition gaps against k from
                          an evaluation result (fixed-k rows; adaptive rows at their mean k*).
 * `plot_kstar_hist`      the distribution of k* of each adaptive configuration in a result.
 * `plot_temperature_sweep`  the temperature claim: one metric's gap against T, adaptive primal
@@ -87,7 +90,7 @@ def bregman_d(x: np.ndarray, y: np.ndarray, alpha: float) -> np.ndarray:
 
 
 def cost_curve(p: np.ndarray, alpha: float, lam: float, mode: str) -> np.ndarray:
-    """cost(k) for k = 1..V (eq. regularised-cost): the divergence between p and its top-k
+    """cost(k) for k = 1..V (eq. (6)): the divergence between p and its top-k
     renormalization padded with zeros, plus lambda k (p sorted decreasingly, all > 0)."""
     p = np.sort(np.asarray(p, dtype=np.float64))[::-1]
     vocab = p.size
@@ -105,8 +108,9 @@ def cost_curve(p: np.ndarray, alpha: float, lam: float, mode: str) -> np.ndarray
 
 def plot_alpha_reshape(path: Path, *, vocab: int = 100, k: int = 10, shown: int = 15,
                        alphas: Sequence[float] = (0.25, 1.0, 2.5)) -> Path:
-    """Figure 1: the top-k distribution after primal alpha-renormalization (k = 10) of a
-    Zipf-like p over ``vocab`` tokens (the first ``shown`` ranks are drawn)."""
+    """The figure of Section 1 (uncaptioned, so unnumbered): the top-k distribution after
+    primal alpha-renormalization (k = 10) of a Zipf-like p over ``vocab`` tokens (the first
+    ``shown`` ranks are drawn)."""
     p = zipf(vocab, exponent=1.0)
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     positions = np.arange(1, shown + 1)
@@ -133,7 +137,7 @@ def plot_alpha_reshape(path: Path, *, vocab: int = 100, k: int = 10, shown: int 
 def plot_renorm_maps(path: Path, *, k: int = 100,
                      primal_alphas: Sequence[float] = (0.5, 1.0, 1.5, 2.0, 3.0, 10.0, math.inf),
                      dual_alphas: Sequence[float] = (1.0, 1.5, 2.0, 3.0, 10.0, math.inf)) -> Path:
-    """Primal T_alpha (left) and dual T*_alpha (right) on the paper's linear input vector."""
+    """Primal T_alpha (left) and dual T*_alpha (right) on the linear input vector of Figure 2."""
     ramp = np.arange(k, 0, -1, dtype=np.float64) / k  # [1, (k-1)/k, ..., 1/k]
     x = 0.67 * ramp / ramp.sum()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharey=True)
@@ -152,7 +156,7 @@ def plot_renorm_maps(path: Path, *, k: int = 100,
 
 
 def plot_peaked(path: Path, *, alphas: np.ndarray | None = None) -> Path:
-    """The appendix comparison on v = [0.1, 0.001, 0.001, 0.001, 0.001]: what primal and dual
+    """Figure 4 (Appendix G.3) on v = [0.1, 0.001, 0.001, 0.001, 0.001]: what primal and dual
     renormalization make of the large value (left) and of each small value (right)."""
     v = np.array([0.1, 0.001, 0.001, 0.001, 0.001])
     grid = alphas if alphas is not None else np.concatenate(
@@ -219,7 +223,7 @@ def _series_key(config: dict[str, Any]) -> str | None:
 
 
 def plot_gaps_vs_k(result: dict[str, Any], path: Path) -> Path | None:
-    """Perplexity gap and repetition gap against k (the paper's text-generation figure).
+    """Perplexity gap and repetition gap against k (the paper's Figure 3).
 
     Fixed-k rows (top-k and generalized top-k) form one line per alpha; adaptive rows are drawn
     as single points at their mean k* (horizontal bar: std of k*). Returns None when the result

@@ -1,4 +1,4 @@
-"""k* per decoding step: how adaptive a Bregman configuration was (paper, appendix "Adaptivity").
+"""k* per decoding step: how adaptive a Bregman configuration was (arXiv 2505.19371, App. H.5).
 
 Two sources, both giving the support size k* of every generated position:
 
@@ -7,10 +7,11 @@ Two sources, both giving the support size k* of every generated position:
     directory over prompt + generated tokens (one forward pass per sample), each generated
     position's distribution ``p = softmax(logits / T)`` is formed with the request's temperature
     (vLLM's processor sees the temperature-scaled logits) and `bregman_decode` solves problem
-    (sp-br) for it, batched over positions, returning k*. Works with any endpoint serving the same
-    weights. Caveat: the endpoint's numerics (e.g. vLLM on CPU runs float32 checkpoints in
-    bfloat16 unless started with ``--dtype float32``) differ slightly from the local forward pass,
-    so k* can differ at positions where the cost gap sits right at lambda.
+    (2) of arXiv 2505.19371 for it, batched over positions, returning k*. Works with any
+    endpoint serving the same weights. Caveat: the endpoint's numerics (e.g. vLLM on CPU runs
+    float32 checkpoints in bfloat16 unless started with ``--dtype float32``) differ slightly
+    from the local forward pass, so k* can differ at positions where the cost gap sits right
+    at lambda.
 
 ``logprobs`` (`Generation.support_sizes`)
     Reported by the engine itself: when vLLM runs with ``--logprobs-mode processed_logprobs``,

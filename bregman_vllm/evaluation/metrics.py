@@ -1,6 +1,7 @@
-"""The evaluation metrics of the paper's Section 5 and appendix, as pure functions.
+"""The evaluation metrics of the paper's Section 5 and Appendix H, as pure functions.
 
-Definitions (Noarov et al., "Foundations of Top-k Decoding for Language Models", Section 5):
+Definitions (Noarov et al., "Foundations of Top-k Decoding for Language Models",
+arXiv 2505.19371, Section 5.1):
 
 * perplexity of a continuation Y of a prompt X under the base model:
   ``ppl(Y) = p_base(Y | X) ** (-1 / |Y|) = exp(-mean_t log p_base(y_t | X, y_<t))``;
@@ -11,7 +12,7 @@ Definitions (Noarov et al., "Foundations of Top-k Decoding for Language Models",
   ``P(rep(generated Y)) - P(rep(human Y))``;
 * GSM8K: exact match of the final number;
 * standard deviations: bootstrap over examples, 1000 resamples;
-* adaptivity (appendix "Adaptivity" tables): mean, standard deviation and entropy of the k*
+* adaptivity (Appendix H.5, Tables 11-20): mean, standard deviation and entropy of the k*
   chosen at every decoding step, and the matched top-k baseline k = round(mean k*).
 
 Only numpy and the standard library are used, so the metrics are cheap to import and test.
@@ -37,7 +38,7 @@ BOOTSTRAP_RESAMPLES = 1000
 
 def has_repetition(tokens: Sequence[int], min_span: int = 2) -> bool:
     """rep(Y): True when ``tokens`` holds a span of length >= ``min_span`` immediately repeated
-    (``Y[i:i+L] == Y[i+L:i+2L]`` for some i and L >= min_span; paper Section 5, metric 2).
+    (``Y[i:i+L] == Y[i+L:i+2L]`` for some i and L >= min_span; paper Section 5.1, metric (2)).
 
     Repeats of single tokens ("a a") do not count with the paper's ``min_span = 2``.
 
@@ -205,11 +206,12 @@ def exact_match(text: str, target: Decimal | str) -> bool:
 
 @dataclass(frozen=True)
 class KStarStats:
-    """Adaptivity of k* over every decoding step (paper, appendix "Adaptivity" tables).
+    """Adaptivity of k* over every decoding step (paper, Appendix H.5, Tables 11-20).
 
     ``entropy_bits`` is the Shannon entropy (base 2) of the empirical distribution of k*; base 2
     reproduces the paper's numbers (e.g. mean 1.22 / std 0.46 / entropy 0.82 for LLaMA at
-    lambda = 0.1). ``std`` is the population standard deviation (ddof = 0).
+    lambda = 0.1, alpha = 1.5, T = 0.3: Tables 11 and 12). ``std`` is the population standard
+    deviation (ddof = 0).
     """
 
     mean: float

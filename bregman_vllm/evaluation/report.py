@@ -1,14 +1,14 @@
 """Write an evaluation result as JSON and as markdown tables in the paper's layouts.
 
-Tables (paper, Section 5 and the appendix):
+Tables (arXiv 2505.19371, Section 5 and Appendix H):
 
 * open-ended generation: every configuration with its perplexity, repetition and their gaps to
   human text; and, for fixed-k rows, the gaps against k with one column per alpha (the data of
-  the paper's text-generation figure);
-* GSM8K: accuracy of every configuration; and the paper's layout (Table gsm8k_lambda_compare):
+  the paper's Figure 3);
+* GSM8K: accuracy of every configuration; and the paper's layout (Table 1):
   one row per temperature, per (mode, lambda) the adaptive alphas followed by their matched
   top-k baselines;
-* adaptivity (appendix tables averaged_k*, averaged_k_entropy): per task, "mean (rounded)" and
+* adaptivity (Appendix H.5, Tables 11-20): per task, "mean (rounded)" and
   "std (entropy in bits)" of k*, one row per temperature, one column per (lambda, alpha).
 """
 
@@ -184,7 +184,7 @@ def gsm8k_section(result: dict[str, Any]) -> list[str]:
 
 
 def _gsm8k_paper_layout(task: dict[str, Any], configs: dict[str, dict[str, Any]]) -> list[str]:
-    """Table gsm8k_lambda_compare: rows T; per (mode, lambda): alphas, then matched top-k."""
+    """Table 1 of the paper: rows T; per (mode, lambda): alphas, then matched top-k."""
     by_label = {row["config"]: row for row in task["results"]}
     adaptive = [configs[label] for label in by_label if configs[label].get("adaptive")]
     if not adaptive:
@@ -230,7 +230,7 @@ def _gsm8k_paper_layout(task: dict[str, Any], configs: dict[str, dict[str, Any]]
 
 
 def adaptivity_section(result: dict[str, Any]) -> list[str]:
-    """Appendix tables: mean (rounded) and std (entropy, bits) of k*, per task."""
+    """Appendix H.5 tables: mean (rounded) and std (entropy, bits) of k*, per task."""
     configs = _configs(result)
     lines: list[str] = []
     for task_name, title in (("gsm8k", "GSM8K"), ("open", "open-ended generation")):

@@ -1,6 +1,6 @@
 """The temperature claim: does top-k degrade faster than adaptive primal decoding as T grows?
 
-The paper (Section 5, Table "gsm8k_lambda_compare") finds that at higher temperature top-k with
+The paper (arXiv 2505.19371, Section 5, Table 1) finds that at higher temperature top-k with
 k = round(mean k*) loses more accuracy than the adaptive primal decoder it is matched to. The
 sweep measures the same comparison on open-ended generation, where a small model is meaningful:
 

@@ -1,4 +1,4 @@
-"""The paper's two benchmarks (Section 5), run against an OpenAI-compatible endpoint.
+"""The paper's two benchmarks (arXiv 2505.19371, Section 5) against an OpenAI-compatible endpoint.
 
 Open-ended generation
     Prompts are the first ``prompt_tokens`` (35) tokens of human-written documents; the model

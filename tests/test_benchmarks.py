@@ -1,0 +1,54 @@
+"""The benchmark scripts run, and the side-by-side baseline really loads another core.
+
+Timings are not checked here (they belong to `benchmarks/`); this runs the core benchmark at
+its smallest sizes so that a broken script, or a ``--baseline`` that silently resolves to the
+current core (which would print new/old ratios of 1 and hide a regression), fails the suite.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _has_git_history() -> bool:
+    if shutil.which("git") is None:
+        return False
+    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "HEAD"],
+                          capture_output=True)
+    return done.returncode == 0
+
+
+@pytest.mark.skipif(not _has_git_history(), reason="needs the git checkout (not a source copy)")
+def test_core_benchmark_runs_side_by_side_with_a_baseline_core():
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_core.py", "--quick", "--only", "ratios",
+         "--baseline", "HEAD"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    baseline_rows = [line for line in lines if "baseline: " in line and "new/old" in line]
+    # Every Bregman case of both tables has its baseline twin: 7 typical cases per shape
+    # (2 batch sizes x 1 vocabulary) and 5 worst cases.
+    assert len(baseline_rows) == 7 * 2 + 5, done.stdout
+    assert "the core of HEAD" in done.stdout
+
+
+def test_baseline_loader_imports_the_other_tree(tmp_path, monkeypatch):
+    """`load_baseline` returns the baseline's own function, never the current one."""
+    if not _has_git_history():
+        pytest.skip("needs the git checkout (not a source copy)")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_core
+
+    from bregman_vllm import bregman_decode
+
+    decode = bench_core.load_baseline("HEAD")
+    assert decode is not bregman_decode
+    assert decode.__module__ == bench_core.BASELINE_PACKAGE + ".core.decode"
