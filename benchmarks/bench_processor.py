@@ -6,10 +6,12 @@
 2. End-to-end offline throughput on SmolLM2-135M-Instruct (this CPU), batch 32, the same prompts
    and ``max_tokens`` with and without Bregman decoding on every request, interleaved on one
    engine (A B A B ...). Target: at most 5% fewer tokens/s with Bregman.
+3. The step on a batch mixing six families: one joint pass against one pass per family.
 
     python benchmarks/bench_processor.py                 # both parts
     python benchmarks/bench_processor.py --part apply    # only part 1
     python benchmarks/bench_processor.py --part e2e --rounds 3
+    python benchmarks/bench_processor.py --part joint
 """
 
 from __future__ import annotations
@@ -108,9 +110,60 @@ def bench_end_to_end(rounds: int, batch: int, max_tokens: int) -> None:
           f"throughput change {100 * (bregman / plain - 1):+.1f}%")
 
 
+#: A batch mixing six families (issue 10's configurations), cycled over the rows.
+MIXED_FAMILIES = [
+    {"bregman_alpha": 1.0, "bregman_lambda": 1e-2},
+    {"bregman_alpha": 1.5, "bregman_lambda": 1e-3},
+    {"bregman_alpha": 2.0, "bregman_lambda": 1e-2, "bregman_k_max": 50},
+    {"bregman_alpha": 3.0, "bregman_lambda": 1e-3},
+    {"bregman_mode": "dual", "bregman_alpha": 1.5, "bregman_lambda": 1e-2},
+    {"bregman_alpha": 1.5, "bregman_lambda": 0.0, "bregman_top_k": 50},
+    None,  # a plain request
+]
+
+
+def bench_joint(repeats: int) -> None:
+    """The step on a batch mixing six families: one joint pass (the plan's ``joints``) against
+    one pass per family (the same plan with its joints removed), interleaved."""
+    from bregman_vllm.adapter.processor import request_params
+    from bregman_vllm.core.plan import plan_requests
+    from bregman_vllm.core.step import decode_step
+    from bregman_vllm.diagnostics import DispatchCounter
+
+    print("\npart 3: decode_step on six families in one batch (median ms; launched ops)")
+    print(f"{'batch':>6} {'vocab':>7} {'joint':>8} {'launch':>6} {'per family':>10} "
+          f"{'launch':>6} {'joint/per':>9}")
+    for batch, vocab in ((64, 32000), (64, 128256), (256, 128256)):
+        g = torch.Generator().manual_seed(0)
+        logits = torch.randn(batch, vocab, generator=g) * (3 + 4 * torch.rand(batch, 1,
+                                                                                generator=g))
+        requests = [(row, request_params(MIXED_FAMILIES[row % len(MIXED_FAMILIES)]))
+                    for row in range(batch) if MIXED_FAMILIES[row % len(MIXED_FAMILIES)]]
+        plans = {"joint": plan_requests(requests, batch=batch, vocab=vocab, device="cpu"),
+                 "per family": plan_requests(requests, batch=batch, vocab=vocab,
+                                             device="cpu")}
+        plans["per family"].__dict__["joints"] = ()  # the cached property, emptied
+        launches, samples = {}, {name: [] for name in plans}
+        for name, plan in plans.items():
+            decode_step(logits.clone(), plan, logits=True, inplace=True)
+            with DispatchCounter() as counter:
+                decode_step(logits.clone(), plan, logits=True, inplace=True)
+            launches[name] = counter.launches
+        for _ in range(repeats):
+            for name, plan in plans.items():
+                scores = logits.clone()
+                start = time.perf_counter()
+                decode_step(scores, plan, logits=True, inplace=True)
+                samples[name].append(time.perf_counter() - start)
+        ms = {name: statistics.median(values) * 1e3 for name, values in samples.items()}
+        print(f"{batch:6d} {vocab:7d} {ms['joint']:8.2f} {launches['joint']:6d} "
+              f"{ms['per family']:10.2f} {launches['per family']:6d} "
+              f"{ms['joint'] / ms['per family']:9.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["apply", "e2e", "all"], default="all")
+    parser.add_argument("--part", choices=["apply", "e2e", "joint", "all"], default="all")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=32)
@@ -119,6 +172,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
     if args.part in ("apply", "all"):
         bench_apply(args.repeats)
+    if args.part in ("joint", "all"):
+        bench_joint(args.repeats)
     if args.part in ("e2e", "all"):
         bench_end_to_end(args.rounds, args.batch, args.max_tokens)
 

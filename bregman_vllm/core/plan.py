@@ -9,11 +9,14 @@ and the device copies of per-row values (pinned, non-blocking on CUDA).
 Each `Group` holds the rows of one family, either every row of the batch in order (``rows is
 None``; the common case, no row gather) or the positions listed in ``rows``. Per-row values are
 Python numbers when the whole group shares them (no tensor at all, the common case of one
-request configuration) or device tensors otherwise.
+request configuration) or device tensors otherwise. Groups of one window size class are
+decoded in one pass over their rows (`Plan.joints`, made once per plan with the device copies
+of their positions), so that a batch mixing families is not a pass per family.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -65,6 +68,9 @@ class Group:
     above_two: bool = False  # POWER: some alpha > 2
     generator: BregmanGenerator | None = None
     host: dict[str, list] = field(default_factory=dict, repr=False)  # per-row host values
+    host_rows: tuple[int, ...] | None = field(default=None, repr=False)  # ``rows`` on the host
+    #: Host values the step derives from the group, once per plan (`step`).
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     def rows_or_all(self, device: torch.device) -> Tensor:
         if self.rows is not None:
@@ -73,10 +79,62 @@ class Group:
 
 
 @dataclass(frozen=True)
+class Joint:
+    """Window groups decoded in one pass (`step.decode_step`): one softmax and one candidate
+    set of ``width`` for the union of their rows, then each group's formulas on its own rows'
+    candidates. ``rows``: the union's batch positions (None: every row, in order);
+    ``positions``: each group's rows as positions within the union."""
+
+    groups: tuple[Group, ...]
+    rows: Tensor | None
+    positions: tuple[Tensor, ...]
+    width: int
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+
+#: Families the joint pass takes (the fixed-shape ones; lambda = 0 and the exact path apart).
+_WINDOW_FAMILIES = frozenset(Family) - {Family.KEEP_ALL, Family.EXACT}
+
+
+@dataclass(frozen=True)
 class Plan:
     groups: tuple[Group, ...]
     batch: int  # rows of the batch the plan was made for
     vocab: int
+
+    @functools.cached_property
+    def joints(self) -> tuple[Joint, ...]:
+        """The groups that share a pass over the batch: window groups of one width class (up
+        to `WINDOW` candidates, or up to `WIDE_WINDOW`), two or more (a wider candidate set
+        would cost the narrower groups' rows more than their own pass). Made once per plan
+        (per batch change in vLLM), with the device copies of the positions."""
+        by_width: dict[int, list[Group]] = {}
+        for group in self.groups:
+            if group.family in _WINDOW_FAMILIES and group.width <= WIDE_WINDOW:
+                width = WINDOW if group.width <= WINDOW else WIDE_WINDOW
+                by_width.setdefault(width, []).append(group)
+        return tuple(_joint(members, self.batch) for members in by_width.values()
+                     if len(members) >= 2)
+
+
+def _joint(members: list[Group], batch: int) -> Joint:
+    union = sorted(row for group in members for row in _host_rows(group, batch))
+    index = {row: i for i, row in enumerate(union)}
+    # Two or more groups partition rows, so each has its own ``rows`` tensor.
+    device = next(group.rows.device for group in members if group.rows is not None)
+    rows = None if union == list(range(batch)) else _to_device(union, torch.long, device)
+    positions = tuple(
+        _to_device([index[row] for row in _host_rows(group, batch)], torch.long, device)
+        for group in members)
+    return Joint(tuple(members), rows, positions, max(group.width for group in members))
+
+
+def _host_rows(group: Group, batch: int) -> tuple[int, ...]:
+    if group.rows is None:
+        return tuple(range(batch))
+    if group.host_rows is None:  # a group made without them
+        return tuple(group.rows.tolist())
+    return group.host_rows
 
 
 def _as_list(value, name: str, batch_shape: tuple[int, ...]) -> list | None:
@@ -176,7 +234,7 @@ def make_plan(
         groups.append(_group(family, mode, fixed, position, len(members),
                              [rows[i][2] for i in members], [rows[i][3] for i in members],
                              [rows[i][4] for i in members], [rows[i][5] for i in members],
-                             device, generator, vocab))
+                             device, generator, vocab, host_rows=tuple(members)))
     return Plan(tuple(groups), batch, vocab)
 
 
@@ -276,7 +334,7 @@ def plan_requests(requests: Sequence[tuple[int, object]], *, batch: int, vocab: 
         groups.append(_group(family, mode, fixed, rows, len(members),
                              [r[2] for _, r in members], [r[3] for _, r in members],
                              [r[4] for _, r in members], [r[5] for _, r in members],
-                             device, None, vocab))
+                             device, None, vocab, host_rows=tuple(positions)))
     return Plan(tuple(groups), batch, vocab)
 
 
@@ -298,7 +356,8 @@ def _per_row(values: list, dtype: torch.dtype, device: torch.device, uniform: bo
 
 def _group(family: Family, mode: str, fixed: bool, rows: Tensor | None, count: int,
            alphas: list, lams: list, sizes: list, caps: list, device: torch.device,
-           generator, vocab: int, uniform: bool = False) -> Group:
+           generator, vocab: int, uniform: bool = False,
+           host_rows: tuple[int, ...] | None = None) -> Group:
     capped = any(c > 0 for c in caps)
     if fixed:
         width = window = max(1, max(sizes))
@@ -320,6 +379,7 @@ def _group(family: Family, mode: str, fixed: bool, rows: Tensor | None, count: i
         capped=capped, width=width, window=window, bounded=bounded, iterations=iterations,
         below_two=below, above_two=above, generator=generator,
         host={"alpha": alphas, "lam": lams, "size": sizes, "cap": caps},
+        host_rows=None if rows is None else host_rows,
     )
 
 

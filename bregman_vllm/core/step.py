@@ -1,14 +1,17 @@
 """The decoding step: a batch of scores in, the Bregman-decoded batch out, with a plan.
 
-This is the hot path (vLLM calls it once per generated token for the whole batch). For each
-group of the plan (`plan`: rows of one formula family), in order:
+This is the hot path (vLLM calls it once per generated token for the whole batch). The plan
+(`plan`) groups rows by formula family; groups of one window size class share one pass (a
+`plan.Joint`: a batch mixing alphas, modes and lambdas is one pass, split only for each
+family's formulas on its rows' candidates), the others (lambda = 0, the exact family, wide
+fixed top-k) run alone. Each pass, in order:
 
 1. p = softmax(logits) (or the given probabilities, negatives counted as 0), rows gathered from
-   the batch only when the group is not the whole batch;
+   the batch only when the pass does not cover the whole batch;
 2. the candidates: the top `width` entries and the deficits R_k (`candidates`);
-3. the support size and the map: fixed k, or the adaptive k* (the minimizer of cost(k), eq. (6)
-   of arXiv 2505.19371) over a fixed window of sizes (`window`), with a certificate for rows
-   whose answer could lie outside what the window decided;
+3. per family, the support size and the map: fixed k, or the adaptive k* (the minimizer of
+   cost(k), eq. (6) of arXiv 2505.19371) over a fixed window of sizes (`window`), with a
+   certificate for rows whose answer could lie outside what the window decided;
 4. the output: log q (or q) on the support, -inf (or 0) elsewhere; rows that are not
    distributions (NaN, no mass) come back unchanged.
 
@@ -38,10 +41,10 @@ from typing import NamedTuple
 
 import torch
 
-from .candidates import Candidates, candidates
+from .candidates import UNBOUNDED, Candidates, candidates
 from .exact import MEMORY_BUDGET, _keep_all, decode_exact, exact_plan
 from .families import CLOSED_GAP_FAMILIES, ITERATIVE_FAMILIES, Family
-from .plan import WIDE_WINDOW, WINDOW, Group, Plan
+from .plan import WIDE_WINDOW, WINDOW, Group, Joint, Plan
 from .window import Decoded, closed_map, closed_search, iterative_fixed, iterative_search
 
 Tensor = torch.Tensor
@@ -67,29 +70,68 @@ def decode_step(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = Fal
     step's uncertified answer, a distribution on the window): ``scores`` is then decoded and
     must not be decoded again.
     """
-    results = [(_decode_group(scores, group, logits, inplace), group) for group in plan.groups]
+    shared = {id(group) for joint in plan.joints for group in joint.groups}
+    # (result, group or joint pass, batch rows of the result: None = every row in order)
+    results: list[tuple[_Result, Group | Joint, Tensor | None]] = [
+        (_decode_group(scores, group, logits, inplace), group, group.rows)
+        for group in plan.groups if id(group) not in shared]
+    results += [(_decode_joint(scores, joint, logits, inplace), joint, joint.rows)
+                for joint in plan.joints]
     # The step's only host sync: whether any row needs the exact path.
-    flags = [result.needs.any() for result, _ in results if result.needs is not None]
+    flags = [result.needs.any() for result, _, _ in results if result.needs is not None]
     if flags and bool(torch.stack(flags).any() if len(flags) > 1 else flags[0]):
         try:
-            results = [(_redo_uncertified(result, group, logits), group)
-                       for result, group in results]
+            results = [(_redo(result, owner, logits), owner, rows)
+                       for result, owner, rows in results]
         except Exception as error:
-            if inplace and any(group.rows is None for _, group in results):
+            if inplace and any(rows is None for _, _, rows in results):
                 # ``scores`` already holds the step's output: tell the caller not to decode
                 # it again, and how many rows kept the window's uncertified answer.
                 error.bregman_uncertified_rows = sum(  # type: ignore[attr-defined]
-                    int(result.needs.sum()) for result, _ in results if result.needs is not None)
+                    int(result.needs.sum()) for result, _, _ in results
+                    if result.needs is not None)
             raise
-    if len(results) == 1 and results[0][1].rows is None:
+    if len(results) == 1 and results[0][2] is None:
         return results[0][0].out, results[0][0].k  # (``scores`` itself when inplace)
     out = scores if inplace else scores.clone()
     k = torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device)
-    for result, group in results:
-        rows = group.rows_or_all(scores.device)
+    for result, _, rows in results:
+        rows = torch.arange(scores.shape[0], device=scores.device) if rows is None else rows
         out.index_copy_(0, rows, result.out)
         k.index_copy_(0, rows, result.k)
     return out, k
+
+
+def _decode_joint(scores: Tensor, joint: Joint, logits: bool, inplace: bool) -> _Result:
+    """The joint pass (`joint_groups`) over the union of its groups' rows."""
+    rows = scores if joint.rows is None else scores.index_select(0, joint.rows)
+    writable = inplace or (joint.rows is not None and logits)
+    if "static" not in joint.derived:  # once per plan
+        joint.derived["static"] = _JointStatic(
+            tuple(_Static.of(group) for group in joint.groups), joint.width)
+        joint.derived["values"] = tuple(
+            tuple(getattr(group, name) for group in joint.groups)
+            for name in ("alpha", "lam", "size"))
+    static = joint.derived["static"]
+    args = (joint.positions, *joint.derived["values"], logits, writable)
+    if compile_enabled(rows.device) and not _COMPILED.get("failed"):
+        try:
+            return _Result(*compiled_group(static)(rows, *args))
+        except Exception:  # a compiler that cannot handle this device: stay eager for good
+            logger.warning("torch.compile of the Bregman step failed; running it eagerly",
+                           exc_info=True)
+            _COMPILED["failed"] = True
+    return _Result(*joint_groups(rows, static, *args))
+
+
+def _redo(result: _Result, owner: Group | Joint, logits: bool) -> _Result:
+    """`_redo_uncertified` for a group, or for each group of the joint pass on its rows."""
+    if isinstance(owner, Group):
+        return _redo_uncertified(result, owner, logits)
+    for group, where in zip(owner.groups, owner.positions, strict=True):
+        if _may_flag(_Static.of(group)):
+            result = _redo_uncertified(result, group, logits, where)
+    return result
 
 
 def _decode_group(scores: Tensor, group: Group, logits: bool, inplace: bool) -> _Result:
@@ -154,8 +196,13 @@ class _Static:
 
     @classmethod
     def of(cls, group: Group) -> _Static:
-        return cls(group.family, group.fixed, group.capped, group.bounded, group.width,
-                   group.window, group.iterations, group.below_two, group.above_two)
+        """The group's static shape, made once per plan (kept in ``group.derived``)."""
+        static = group.derived.get("static")
+        if static is None:
+            static = group.derived["static"] = cls(
+                group.family, group.fixed, group.capped, group.bounded, group.width,
+                group.window, group.iterations, group.below_two, group.above_two)
+        return static
 
 
 def fixed_shape_group(rows: Tensor, static: _Static, alpha, lam, size, logits: bool,
@@ -166,10 +213,23 @@ def fixed_shape_group(rows: Tensor, static: _Static, alpha, lam, size, logits: b
     probabilities, rows among those whose k* is certified >= the window or None)."""
     p = _probabilities(rows, logits, writable)
     cand = candidates(p, static.width)
-    valid = (cand.total > 0) if logits else (cand.total > 0) & (cand.total < math.inf)
+    valid = _valid(cand, logits)
     decoded = _support_and_map(cand, static, alpha, lam, size)
-    index = cand.index[:, : decoded.log_q.shape[-1]]
-    values = decoded.log_q if logits else torch.exp(decoded.log_q)
+    out = _write(rows, cand.index[:, : decoded.log_q.shape[-1]], decoded.log_q, valid, logits,
+                 writable)
+    needs = None if decoded.uncertain is None else decoded.uncertain & valid
+    return out, decoded.k * valid, needs, p, decoded.past
+
+
+def _valid(cand: Candidates, logits: bool) -> Tensor:
+    """Rows that are distributions (others are returned as given)."""
+    return (cand.total > 0) if logits else (cand.total > 0) & (cand.total < math.inf)
+
+
+def _write(rows: Tensor, index: Tensor, log_q: Tensor, valid: Tensor, logits: bool,
+           writable: bool) -> Tensor:
+    """Step 4: log q (or q) at ``index``, -inf (or 0) elsewhere, on the valid rows."""
+    values = log_q if logits else torch.exp(log_q)
     # Rows that are not distributions get their own values back.
     values = torch.where(valid.unsqueeze(-1), values.to(rows.dtype), torch.gather(rows, 1, index))
     # Off the support: -inf (logits) or 0 (probabilities) on valid rows, the row's own values
@@ -178,15 +238,77 @@ def fixed_shape_group(rows: Tensor, static: _Static, alpha, lam, size, logits: b
     # a broadcast where or masked_fill 2.4 to 4.4 ms).
     high = torch.where(valid, -math.inf if logits else 0.0, math.inf).unsqueeze(-1)
     high = high.to(rows.dtype)
-    if logits:
-        out = rows.clamp_(max=high) if writable else torch.minimum(rows, high)
-    else:
-        low = torch.where(valid, 0.0, -math.inf).unsqueeze(-1).to(rows.dtype)
-        out = rows.clamp_(max=high) if writable else torch.minimum(rows, high)
-        out = out.clamp_(min=low)
-    out.scatter_(1, index, values)
-    needs = None if decoded.uncertain is None else decoded.uncertain & valid
-    return out, decoded.k * valid, needs, p, decoded.past
+    out = rows.clamp_(max=high) if writable else torch.minimum(rows, high)
+    if not logits:
+        out = out.clamp_(min=torch.where(valid, 0.0, -math.inf).unsqueeze(-1).to(rows.dtype))
+    return out.scatter_(1, index, values)
+
+
+@dataclass(frozen=True)
+class _JointStatic:
+    """What the joint pass is specialized on: each group's `_Static` and the shared width."""
+
+    statics: tuple[_Static, ...]
+    width: int
+
+
+def _may_flag(static: _Static) -> bool:
+    """Whether a group's rows can come back uncertified (then the step syncs once)."""
+    if static.fixed:
+        return static.family in ITERATIVE_FAMILIES and static.width > WINDOW
+    return not static.bounded
+
+
+def joint_groups(rows: Tensor, joint: _JointStatic, positions: tuple[Tensor, ...],
+                 alphas: tuple, lams: tuple, sizes: tuple, logits: bool, writable: bool
+                 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
+    """Steps 1-4 for several groups in one pass: one softmax and one candidate set of
+    ``joint.width`` for all ``rows``, each group's support and map on its own rows'
+    candidates (``positions``: the group's rows within ``rows``), one write of the output.
+    A fixed sequence of ops on fixed shapes, no host sync. Returns what `fixed_shape_group`
+    returns, for all the rows."""
+    p = _probabilities(rows, logits, writable)
+    cand = candidates(p, joint.width)
+    valid = _valid(cand, logits)
+    n, width = cand.x.shape
+    log_q = cand.x.new_full((n, width), -math.inf)
+    k = torch.zeros(n, dtype=torch.long, device=rows.device)
+    flags = any(_may_flag(static) for static in joint.statics)
+    needs = torch.zeros(n, dtype=torch.bool, device=rows.device) if flags else None
+    past = torch.zeros(n, dtype=torch.bool, device=rows.device) if flags else None
+    for i, static in enumerate(joint.statics):
+        where = positions[i]
+        decoded = _support_and_map(_select(cand, where, static.width), static, alphas[i],
+                                   lams[i], sizes[i])
+        short = width - decoded.log_q.shape[-1]
+        rows_log_q = decoded.log_q if short == 0 else \
+            torch.nn.functional.pad(decoded.log_q, (0, short), value=-math.inf)
+        log_q.index_copy_(0, where, rows_log_q)
+        k.index_copy_(0, where, decoded.k)
+        if decoded.uncertain is not None and needs is not None:  # (`_may_flag` says when)
+            needs.index_copy_(0, where, decoded.uncertain)
+        if decoded.past is not None and past is not None:
+            past.index_copy_(0, where, decoded.past)
+    # Past a group's own support its candidates are off the support: -inf there is right.
+    out = _write(rows, cand.index, log_q, valid, logits, writable)
+    return out, k * valid, None if needs is None else needs & valid, p, past
+
+
+def _select(cand: Candidates, where: Tensor, width: int) -> Candidates:
+    """The candidates of the rows ``where``, cut to the first ``width`` (what `candidates`
+    gives for that width: the deficits do not depend on it, the count of known positive
+    entries does)."""
+    x = cand.x[:, :width].index_select(0, where)
+    deficit = cand.deficit[:, :width].index_select(0, where)
+    index = cand.index[:, :width].index_select(0, where)
+    total = cand.total.index_select(0, where)
+    if width == cand.x.shape[-1]:
+        return Candidates(x, index, deficit, total, cand.known.index_select(0, where))
+    # Every positive entry is among the first ``width`` unless all are positive and mass
+    # (R_width) lies beyond them.
+    incomplete = (x[:, -1] > 0) & (deficit[:, -1] > 0)
+    known = (x > 0).sum(-1).masked_fill_(incomplete, UNBOUNDED)
+    return Candidates(x, index, deficit, total, known)
 
 
 def _support_and_map(cand: Candidates, static: _Static, alpha, lam, size) -> Decoded:
@@ -247,9 +369,14 @@ def _group_entry(rows: Tensor, alpha, lam, size, logits: bool, writable: bool):
     return fixed_shape_group(rows, STATIC, alpha, lam, size, logits, writable)  # noqa: F821
 
 
-def compiled_group(static: _Static):
-    """`fixed_shape_group` for one group shape under torch.compile (fullgraph), made on first
-    use (about 10 s on a CPU).
+def _joint_entry(rows: Tensor, positions, alphas, lams, sizes, logits: bool, writable: bool):
+    return joint_groups(rows, STATIC, positions, alphas, lams, sizes, logits,  # noqa: F821
+                        writable)
+
+
+def compiled_group(static: _Static | _JointStatic):
+    """`fixed_shape_group` for one group shape (or `joint_groups` for one joint shape) under
+    torch.compile (fullgraph), made on first use (about 10 s per family on a CPU).
 
     Each shape gets a function of its own (its own code object, with ``static`` a constant of
     its globals), so torch.compile's caches of two families never meet: the graph is
@@ -258,8 +385,12 @@ def compiled_group(static: _Static):
     """
     compiled = _COMPILED.get(static)
     if compiled is None:
-        name = f"bregman_{static.family.value}_group_{len(_COMPILED)}"
-        entry = types.FunctionType(_group_entry.__code__.replace(co_name=name),
+        if isinstance(static, _JointStatic):
+            kind, code = "joint", _joint_entry.__code__
+        else:
+            kind, code = static.family.value, _group_entry.__code__
+        name = f"bregman_{kind}_group_{len(_COMPILED)}"
+        entry = types.FunctionType(code.replace(co_name=name),
                                    {**globals(), "STATIC": static}, name)
         compiled = _COMPILED[static] = torch.compile(entry, fullgraph=True)
     return compiled
@@ -280,11 +411,17 @@ def _fast(rows: Tensor, static: _Static, alpha, lam, size, logits: bool, writabl
 # ----------------------------------------------------------------------------- exact path
 
 
-def _exact_inputs(group: Group, device: torch.device):
+def _exact_inputs(group: Group, device: torch.device, where: Tensor | None = None,
+                  total_rows: int = 0):
+    """The group's parameters for the exact path, one per row of the group, or (``where``)
+    spread over ``total_rows`` rows of which ``where`` are the group's (the others get the
+    group's first values and are never decoded)."""
     def per_row(name: str, dtype: torch.dtype) -> Tensor:
         values = torch.tensor(group.host[name], dtype=dtype, device=device)
         if values.numel() == 1:  # shared by the whole group
             values = values.expand(group.count)
+        if where is not None:
+            values = values[:1].expand(total_rows).clone().index_copy_(0, where, values)
         return values
 
     alpha = per_row("alpha", torch.float64)
@@ -316,19 +453,27 @@ def _filled(rows: Tensor, p: Tensor, logits: bool) -> tuple[Tensor, Tensor]:
     return out, torch.zeros(rows.shape[0], dtype=torch.long, device=rows.device)
 
 
-def _redo_uncertified(result: _Result, group: Group, logits: bool) -> _Result:
+def _redo_uncertified(result: _Result, group: Group, logits: bool,
+                      where: Tensor | None = None) -> _Result:
     """Decode the group's uncertified rows again with the exact path (after the sync), in
     place: their window answer is cleared and the exact supports written over it. Rows the
-    window showed to need more sizes than it has skip the exact path's first round."""
+    window showed to need more sizes than it has skip the exact path's first round.
+    ``where``: the group's rows within ``result`` when it holds a joint pass (None: all)."""
     if result.needs is None:
         return result
-    redo = result.needs.nonzero().squeeze(-1)
+    needs = result.needs if where is None else result.needs.index_select(0, where)
+    redo = needs.nonzero().squeeze(-1)
     if redo.numel() == 0:
         return result
+    n = result.out.shape[0]
+    if where is not None:  # positions in the joint result, in order (`exact.decode_exact`)
+        redo = torch.sort(where.index_select(0, redo)).values
     low = None if result.past is None else torch.where(result.past, group.window, 1)
     # Uncertified rows are distributions (``needs`` excludes the others): cleared off the
-    # support as the exact path writes them.
-    decode_exact(result.out, result.k, result.p, _exact_inputs(group, result.p.device),
+    # support as the exact path writes them. No row is gathered: the exact path reads and
+    # writes the rows ``redo`` in place.
+    decode_exact(result.out, result.k, result.p,
+                 _exact_inputs(group, result.p.device, where, n),
                  _writer(logits, result.out.dtype), rows=redo, low=low,
                  clear=-math.inf if logits else 0.0)
     return result
