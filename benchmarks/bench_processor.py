@@ -110,25 +110,13 @@ def bench_end_to_end(rounds: int, batch: int, max_tokens: int) -> None:
           f"throughput change {100 * (bregman / plain - 1):+.1f}%")
 
 
-#: A batch mixing six families (issue 10's configurations), cycled over the rows.
-MIXED_FAMILIES = [
-    {"bregman_alpha": 1.0, "bregman_lambda": 1e-2},
-    {"bregman_alpha": 1.5, "bregman_lambda": 1e-3},
-    {"bregman_alpha": 2.0, "bregman_lambda": 1e-2, "bregman_k_max": 50},
-    {"bregman_alpha": 3.0, "bregman_lambda": 1e-3},
-    {"bregman_mode": "dual", "bregman_alpha": 1.5, "bregman_lambda": 1e-2},
-    {"bregman_alpha": 1.5, "bregman_lambda": 0.0, "bregman_top_k": 50},
-    None,  # a plain request
-]
-
-
 def bench_joint(repeats: int) -> None:
     """The step on a batch mixing six families: one joint pass (the plan's ``joints``) against
     one pass per family (the same plan with its joints removed), interleaved."""
     from bregman_vllm.adapter.processor import request_params
     from bregman_vllm.core.plan import plan_requests
     from bregman_vllm.core.step import decode_step
-    from bregman_vllm.diagnostics import DispatchCounter
+    from bregman_vllm.diagnostics import MIXED_FAMILIES, DispatchCounter
 
     print("\npart 3: decode_step on six families in one batch (median ms; launched ops)")
     print(f"{'batch':>6} {'vocab':>7} {'joint':>8} {'launch':>6} {'per family':>10} "

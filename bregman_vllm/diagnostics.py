@@ -30,6 +30,19 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+#: A batch mixing six formula families (issue 10's configurations, as a request's
+#: ``extra_args``) and a plain request: what the GPU-readiness tests and benchmarks cycle over
+#: the rows of a batch.
+MIXED_FAMILIES: list[dict[str, Any]] = [
+    {"bregman_alpha": 1.0, "bregman_lambda": 1e-2},
+    {"bregman_alpha": 1.5, "bregman_lambda": 1e-3},
+    {"bregman_alpha": 2.0, "bregman_lambda": 1e-2, "bregman_k_max": 50},
+    {"bregman_alpha": 3.0, "bregman_lambda": 1e-3},
+    {"bregman_mode": "dual", "bregman_alpha": 1.5, "bregman_lambda": 1e-2},
+    {"bregman_alpha": 1.5, "bregman_lambda": 0.0, "bregman_top_k": 50},
+    {},  # a plain request
+]
+
 #: ATen ops that need a value on the host, or make a tensor from host data.
 SYNC_OPS = frozenset({
     "aten::_local_scalar_dense", "aten::nonzero", "aten::nonzero_numpy", "aten::unique",

@@ -34,7 +34,7 @@ from bregman_vllm.adapter import processor as processor_module
 from bregman_vllm.core import step as step_module
 from bregman_vllm.core.exact import decode_exact, exact_plan
 from bregman_vllm.core.step import step_memory_bound
-from bregman_vllm.diagnostics import DispatchCounter, MemoryTracker
+from bregman_vllm.diagnostics import MIXED_FAMILIES, DispatchCounter, MemoryTracker
 
 BATCH, VOCAB = 64, 32000
 
@@ -175,15 +175,8 @@ def test_fixed_shape_step_agrees_with_the_exact_path_on_realistic_rows(logits):
 
 # ----------------------------------------------------------------------------- the processor
 
-MIXED = [
-    {"bregman_alpha": 1.0, "bregman_lambda": 1e-2},
-    {"bregman_alpha": 1.5, "bregman_lambda": 1e-3},
-    {"bregman_alpha": 2.0, "bregman_lambda": 1e-2, "bregman_k_max": 50},
-    {"bregman_alpha": 3.0, "bregman_lambda": 1e-3},
-    {"bregman_mode": "dual", "bregman_alpha": 1.5, "bregman_lambda": 1e-2},
-    {"bregman_alpha": 1.5, "bregman_lambda": 0.0, "bregman_top_k": 50},
-    {},  # a plain request
-]
+#: Six families and a plain request (`bregman_vllm.diagnostics.MIXED_FAMILIES`).
+MIXED = MIXED_FAMILIES
 
 
 def _request(kwargs: dict) -> dict:
