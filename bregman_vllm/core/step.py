@@ -314,9 +314,10 @@ def _select(cand: Candidates, where: Tensor, width: int) -> Candidates:
 def _support_and_map(cand: Candidates, static: _Static, alpha, lam, size) -> Decoded:
     """Step 3. Iterative families whose every support fits the first window (adaptive groups
     with `Group.bounded`, fixed sizes up to `WINDOW`) take the fixed Newton iterations' answer
-    as final: their only certificates are numerical (convergence, near-ties), which a sweep of
-    extreme inputs never sees fail (`tests/test_gpu_readiness.py`), so such groups never sync.
-    Elsewhere a row the window may not hold still goes to the exact path."""
+    as final without computing their certificates (convergence, near-ties), so such groups
+    never sync. Evidence, not a proof: on a sweep of extreme inputs the certificates never fail
+    there (`tests/test_gpu_readiness.py` computes them and requires it). Elsewhere a row the
+    window may not hold still goes to the exact path."""
     family = static.family
     if static.fixed:
         k = torch.minimum(cand.known, size) if isinstance(size, Tensor) \

@@ -18,9 +18,10 @@ function returns, with k* and log T_k*, whether the row is *certified*:
 
 An uncertified row is decoded again by the exact path (`exact`), so certification trades speed,
 never exactness. The step asks the iterative families for the numerical certificate
-(``certify``) only where a row's support may pass the window: where every support fits it, the
-certificate never fails on any input the tests know (`tests/test_gpu_readiness.py` sweeps
-extreme rows), and leaving it out removes the step's only host sync there. The Newton updates
+(``certify``) only where a row's support may pass the window. Where every support fits it,
+leaving the certificate out removes the step's only host sync; that rests on evidence rather
+than a proof: on every extreme input the tests know, the certificate never fails there
+(`tests/test_gpu_readiness.py` computes it anyway and requires that). The Newton updates
 keep w and nu at or above 0 (where their roots lie), so a rounding overshoot can never turn a
 power or square root into NaN.
 
