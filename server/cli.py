@@ -23,18 +23,39 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import typing
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
 from .settings import ServerSettings
 
 logger = logging.getLogger("bregman_server")
 
 
+#: Fields shown in argparse groups, by the comment headings of `ServerSettings`.
+_GROUPS = {
+    "mode": ("model", "upstream"),
+    "server-wide Bregman defaults (a request's own fields win; \"off\" leaves requests that "
+    "send no bregman field untouched)": (
+        "default_mode", "default_alpha", "default_lambda", "default_top_k", "default_k_max"),
+    "limits and timeouts (clients)": (
+        "max_body_bytes", "max_header_bytes", "max_connections", "header_timeout",
+        "body_timeout", "send_timeout", "keep_alive_timeout", "graceful_timeout",
+        "engine_exit_grace"),
+    "gateway (--upstream)": (
+        "upstream_api_key", "connect_timeout", "read_timeout", "request_timeout",
+        "max_response_bytes", "upstream_max_connections", "health_interval", "health_timeout"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """Our own flags. Defaults are None so that unset flags fall back to the environment."""
+    """Our own flags, one per `ServerSettings` field (``--max-body-bytes`` for
+    ``max_body_bytes``), with the field's type, choices, default and description: the settings
+    model is the one place they are written. Parsed defaults are None so that unset flags fall
+    back to the environment."""
     parser = argparse.ArgumentParser(
         prog="bregman-serve",
         allow_abbrev=False,
@@ -43,58 +64,34 @@ def build_parser() -> argparse.ArgumentParser:
         "(see `python -m vllm.entrypoints.openai.api_server --help`). Each flag can also "
         "be set with an environment variable BREGMAN_<FLAG> (e.g. BREGMAN_API_KEY).",
     )
-    add = parser.add_argument
-    mode = parser.add_argument_group("mode")
-    mode.add_argument("--model", help="Model that vLLM serves in this process.")
-    mode.add_argument("--upstream", nargs="+", metavar="URL",
-                      help="Gateway mode: upstream vLLM server(s), round-robin over the healthy "
-                      "ones (no engine in this process).")
-    add("--host", help="Interface to listen on (default 127.0.0.1; 0.0.0.0 in containers).")
-    add("--port", type=int, help="Port to listen on (default 8000).")
-    add("--api-key", help="Require 'Authorization: Bearer <key>' on every route but /health "
-        "(env BREGMAN_API_KEY keeps it out of the process list).")
-    add("--upstream-api-key", help="Gateway: Bearer key for the upstream servers.")
-    defaults = parser.add_argument_group(
-        "server-wide Bregman defaults (a request's own fields win; \"off\" leaves requests "
-        "that send no bregman field untouched)")
-    defaults.add_argument("--default-mode", choices=["primal", "dual", "off"],
-                          help='Default bregman_mode (default "off").')
-    defaults.add_argument("--default-alpha", help='Default bregman_alpha (number, "inf", "-inf").')
-    defaults.add_argument("--default-lambda", type=float, help="Default bregman_lambda (>= 0).")
-    defaults.add_argument("--default-top-k", type=int, help="Default bregman_top_k.")
-    defaults.add_argument("--default-k-max", type=int, help="Default bregman_k_max.")
-    limits = parser.add_argument_group("limits and timeouts (clients)")
-    limits.add_argument("--max-body-bytes", type=int, help="Largest request body (16 MiB).")
-    limits.add_argument("--max-header-bytes", type=int,
-                        help="Largest request line + headers (64 KiB).")
-    limits.add_argument("--max-connections", type=int, help="Open client connections (1024).")
-    limits.add_argument("--header-timeout", type=float,
-                        help="Seconds to send a request head (10).")
-    limits.add_argument("--body-timeout", type=float,
-                        help="Longest silence while a body arrives, seconds (30).")
-    limits.add_argument("--send-timeout", type=float,
-                        help="Longest time a response may stay unread, seconds (60).")
-    limits.add_argument("--keep-alive-timeout", type=float,
-                        help="Idle keep-alive connections close after this, seconds (5).")
-    limits.add_argument("--graceful-timeout", type=float,
-                        help="On SIGTERM, seconds to let requests finish (10).")
-    limits.add_argument("--engine-exit-grace", type=float,
-                        help="If the engine dies: seconds of 503s before exit(3) (2).")
-    gateway = parser.add_argument_group("gateway (--upstream)")
-    gateway.add_argument("--connect-timeout", type=float, help="Upstream connect timeout (5 s).")
-    gateway.add_argument("--read-timeout", type=float,
-                         help="Upstream silence between two bytes, seconds (600).")
-    gateway.add_argument("--request-timeout", type=float,
-                         help="Total deadline of one upstream exchange, seconds (1800).")
-    gateway.add_argument("--max-response-bytes", type=int,
-                         help="Largest non-streaming upstream response (64 MiB).")
-    gateway.add_argument("--upstream-max-connections", type=int,
-                         help="Connections per upstream (256).")
-    gateway.add_argument("--health-interval", type=float, help="Seconds between health checks.")
-    gateway.add_argument("--health-timeout", type=float, help="Timeout of one health check.")
-    add("--log-level", choices=["critical", "error", "warning", "info", "debug"])
-    add("--access-log", action="store_true", default=None, help="Log every request.")
+    groups = {}
+    for title, names in _GROUPS.items():
+        group = parser.add_argument_group(title)
+        groups.update(dict.fromkeys(names, group))
+    for name, field in ServerSettings.model_fields.items():
+        target = groups.get(name, parser)
+        target.add_argument("--" + name.replace("_", "-"), **_argument(field))
     return parser
+
+
+def _argument(field: FieldInfo) -> dict[str, Any]:
+    """argparse keywords for one settings field (pydantic validates the value afterwards)."""
+    default = field.get_default(call_default_factory=True)
+    shown = "" if default in (None, [], "") else f" (default {default})"
+    keywords: dict[str, Any] = {"help": (field.description or "") + shown, "default": None}
+    annotation = field.annotation
+    kinds = {arg for arg in typing.get_args(annotation) if arg is not type(None)}
+    if annotation is bool:
+        keywords.update(action="store_true")
+    elif typing.get_origin(annotation) is Literal:
+        keywords.update(choices=list(typing.get_args(annotation)))
+    elif typing.get_origin(annotation) is list or list[str] in kinds:
+        keywords.update(nargs="+", metavar="URL")
+    elif annotation is int or kinds == {int}:
+        keywords.update(type=int)
+    elif annotation is float or kinds == {float}:
+        keywords.update(type=float)
+    return keywords
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerSettings, list[str]]:

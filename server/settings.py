@@ -53,7 +53,8 @@ class ServerSettings(BaseSettings):
     # --- security and limits of client connections -----------------------------------------
     api_key: SecretStr | None = Field(
         None, description="If set, every route but /health needs 'Authorization: Bearer "
-        "<api_key>'.")
+        "<api_key>' (the environment variable BREGMAN_API_KEY keeps it out of the process "
+        "list).")
     max_body_bytes: int = Field(16 * MiB, ge=1, description="Largest request body (413 above).")
     max_header_bytes: int = Field(
         64 * KiB, ge=1024, description="Largest request head: request line and headers (431).")

@@ -117,6 +117,13 @@ class Plan:
                      if len(members) >= 2)
 
 
+    @functools.cached_property
+    def alone(self) -> tuple[Group, ...]:
+        """The groups decoded in a pass of their own (in no joint), once per plan."""
+        shared = {id(group) for joint in self.joints for group in joint.groups}
+        return tuple(group for group in self.groups if id(group) not in shared)
+
+
 def _joint(members: list[Group], batch: int) -> Joint:
     union = sorted(row for group in members for row in _host_rows(group, batch))
     index = {row: i for i, row in enumerate(union)}

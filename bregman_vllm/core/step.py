@@ -70,11 +70,10 @@ def decode_step(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = Fal
     step's uncertified answer, a distribution on the window): ``scores`` is then decoded and
     must not be decoded again.
     """
-    shared = {id(group) for joint in plan.joints for group in joint.groups}
     # (result, group or joint pass, batch rows of the result: None = every row in order)
     results: list[tuple[_Result, Group | Joint, Tensor | None]] = [
         (_decode_group(scores, group, logits, inplace), group, group.rows)
-        for group in plan.groups if id(group) not in shared]
+        for group in plan.alone]
     results += [(_decode_joint(scores, joint, logits, inplace), joint, joint.rows)
                 for joint in plan.joints]
     # The step's only host sync: whether any row needs the exact path.
@@ -253,7 +252,9 @@ class _JointStatic:
 
 
 def _may_flag(static: _Static) -> bool:
-    """Whether a group's rows can come back uncertified (then the step syncs once)."""
+    """Whether a group's rows can come back uncertified (then the step syncs once): adaptive
+    groups whose supports may pass the window, and iterative fixed sizes wider than `WINDOW`
+    (`_support_and_map` asks for the certificates exactly there)."""
     if static.fixed:
         return static.family in ITERATIVE_FAMILIES and static.width > WINDOW
     return not static.bounded
@@ -325,7 +326,7 @@ def _support_and_map(cand: Candidates, static: _Static, alpha, lam, size) -> Dec
         if family in ITERATIVE_FAMILIES:
             return iterative_fixed(family, cand, alpha, k, static.width, static.iterations,
                                    static.below_two, static.above_two,
-                                   certify=static.width > WINDOW)
+                                   certify=_may_flag(static))
         return Decoded(k, closed_map(family, cand, k, static.width), None)
     if not static.capped:
         limit = cand.known
@@ -337,7 +338,7 @@ def _support_and_map(cand: Candidates, static: _Static, alpha, lam, size) -> Dec
         return closed_search(family, cand, lam, limit, static.window, static.bounded)
     return iterative_search(family, cand, alpha, lam, limit, static.window, static.iterations,
                             static.bounded, static.below_two, static.above_two,
-                            certify=not static.bounded)
+                            certify=_may_flag(static))
 
 
 # ----------------------------------------------------------------------------- compilation
