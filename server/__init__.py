@@ -8,10 +8,11 @@ Layout, in the order a request meets it:
                                bodies, the Bregman fields validated and mapped into vllm_xargs,
                                orderly ends on shutdown or engine death (any vLLM server can load
                                it with ``--middleware``)
+    bregman_server.routes      the routes whose requests take the Bregman fields
     bregman_server.bregman     the Bregman fields of a request body (JSON parsing, merging)
+    bregman_server.lifecycle   the open requests: drain on shutdown, cut on engine death
     bregman_server.engine      `bregman-serve --model`: vLLM's own OpenAI server in this process
-    bregman_server.gateway     `bregman-serve --upstream`: FastAPI on httpx, for several replicas
-    bregman_server.serving     uvicorn under our signal handling, shared by both servers
+    bregman_server.serving     uvicorn under our signal handling
     bregman_server.cli         `bregman-serve` / ``python -m bregman_server.cli``
     bregman_server.settings    ServerSettings (pydantic-settings, env prefix BREGMAN_)
     bregman_server.auth, errors, metrics, openapi, docs

@@ -12,12 +12,7 @@ import hashlib
 import secrets
 from collections.abc import Iterable
 
-from fastapi.security import HTTPBearer
-
 from .errors import APIError
-
-# Documents the scheme in the gateway's /docs; the check itself is `KeyCheck`.
-bearer_scheme = HTTPBearer(auto_error=False, description="The server's API key, if it has one.")
 
 UNAUTHORIZED = APIError(
     401, "Invalid or missing API key: send the header 'Authorization: Bearer <key>'.",

@@ -5,14 +5,10 @@ vLLM in this process (default)::
     bregman-serve --model models/smollm2-135m-instruct [--port 8000] [any vLLM argument]
 
 runs vLLM's own OpenAI server in this process with the Bregman middleware: one process, one
-port (`bregman_server.engine`). Gateway::
-
-    bregman-serve --upstream http://replica-a:8000 http://replica-b:8000 [--port 8000]
-
-forwards to vLLM servers run elsewhere (`bregman_server.gateway`). Our own flags are parsed with
-``parse_known_args`` (abbreviations off, so a vLLM flag is never mistaken for a prefix of ours);
-every other argument goes to vLLM's own parser unchanged, in order. Flags win over
-``BREGMAN_*`` environment variables.
+port (`bregman_server.engine`); replicas scale behind vLLM's router (deploy/README.md). Our own
+flags are parsed with ``parse_known_args`` (abbreviations off, so a vLLM flag is never mistaken
+for a prefix of ours); every other argument goes to vLLM's own parser unchanged, in order. Flags
+win over ``BREGMAN_*`` environment variables.
 
 Exit status: 0 after SIGTERM / SIGINT, 2 for bad arguments, 1 if vLLM could not start, 3 if the
 vLLM engine died while serving.
@@ -37,7 +33,6 @@ logger = logging.getLogger("bregman_server")
 
 #: Fields shown in argparse groups, by the comment headings of `ServerSettings`.
 _GROUPS = {
-    "mode": ("model", "upstream"),
     "server-wide Bregman defaults (a request's own fields win; \"off\" leaves requests that "
     "send no bregman field untouched)": (
         "default_mode", "default_alpha", "default_lambda", "default_top_k", "default_k_max"),
@@ -45,9 +40,6 @@ _GROUPS = {
         "max_body_bytes", "max_header_bytes", "max_connections", "header_timeout",
         "body_timeout", "send_timeout", "keep_alive_timeout", "graceful_timeout",
         "engine_exit_grace"),
-    "gateway (--upstream)": (
-        "upstream_api_key", "connect_timeout", "read_timeout", "request_timeout",
-        "max_response_bytes", "upstream_max_connections", "health_interval", "health_timeout"),
 }
 
 
@@ -85,8 +77,6 @@ def _argument(field: FieldInfo) -> dict[str, Any]:
         keywords.update(action="store_true")
     elif typing.get_origin(annotation) is Literal:
         keywords.update(choices=list(typing.get_args(annotation)))
-    elif typing.get_origin(annotation) is list or list[str] in kinds:
-        keywords.update(nargs="+", metavar="URL")
     elif annotation is int or kinds == {int}:
         keywords.update(type=int)
     elif annotation is float or kinds == {float}:
@@ -110,31 +100,20 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerSettings, list[
             f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}"
             for err in exc.errors())
         parser.error(problems)
-    if not settings.gateway and not settings.model:
-        parser.error("--model is required (or --upstream URL ... for the gateway)")
-    if settings.gateway and vllm_args:
-        parser.error(f"unrecognized arguments: {' '.join(vllm_args)} (vLLM arguments are only "
-                     "accepted when vLLM runs in this process, not with --upstream)")
-    if settings.gateway and settings.model:
-        logger.warning("--model %s is ignored by the gateway", settings.model)
+    if not settings.model:
+        parser.error("--model is required")
     return settings, vllm_args
 
 
 def _configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # httpx logs every request at INFO, health checks included.
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``bregman-serve``."""
     settings, vllm_args = parse_args(argv)
     _configure_logging(settings.log_level)
-    if settings.gateway:
-        from .gateway import serve as serve_gateway
-
-        return serve_gateway(settings)
     from .engine import serve as serve_engine
 
     return serve_engine(settings, vllm_args)

@@ -40,10 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 from .settings import ServerSettings
 
-# `bregman_server.middleware` (and with it prometheus_client) is imported only once
+# `bregman_server.middleware` and `.lifecycle` (and with them prometheus_client) are imported once
 # PROMETHEUS_MULTIPROC_DIR is set: prometheus_client picks its storage when it is imported.
 if TYPE_CHECKING:
-    from .middleware import Lifecycle
+    from .lifecycle import Lifecycle
 
 logger = logging.getLogger("bregman_server")
 
@@ -167,7 +167,8 @@ def serve(settings: ServerSettings, vllm_args: Sequence[str]) -> int:
     metrics_dir = _environment(settings)
     os.environ.pop("VLLM_API_KEY", None)  # our key guards the routes (see `vllm_namespace`)
     args = vllm_namespace(settings, vllm_args)
-    from .middleware import Lifecycle, configure_process
+    from .lifecycle import Lifecycle
+    from .middleware import configure_process
 
     lifecycle = Lifecycle()
     configure_process(settings, lifecycle)

@@ -33,7 +33,7 @@ class APIError(Exception):
 
 
 def unavailable(message: str, code: str) -> APIError:
-    """A 503: the server is shutting down, its engine died, or no upstream answers."""
+    """A 503: the server is shutting down, or its engine died."""
     return APIError(503, message, type="server_error", code=code,
                     headers={"Retry-After": "1"})
 

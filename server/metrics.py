@@ -4,10 +4,10 @@ In the in-process server they appear in vLLM's own ``/metrics`` next to ``vllm:*
 `bregman_server.engine` sets ``PROMETHEUS_MULTIPROC_DIR`` before vLLM (or prometheus_client) is
 imported, so these metrics, vLLM's, and any ``bregman_*`` metric created in the engine process
 (e.g. ``bregman_processor_failures_total``) are all written to that directory and collected
-together. The gateway serves the default registry itself.
+together.
 
 Label values are bounded: ``endpoint`` is one of the routes that take Bregman fields or
-"other", ``mode`` one of primal / dual / off / invalid / none, ``upstream`` a configured URL.
+"other", ``mode`` one of primal / dual / off / invalid / none.
 """
 
 from __future__ import annotations
@@ -40,13 +40,6 @@ class Metrics:
             "bregman_server_requests_cut",
             "Requests ended by the server: at the end of the shutdown grace, or when the "
             "engine died (reason: shutdown / engine_dead).", ["reason"])
-        self.upstream_errors = Counter(
-            "bregman_server_upstream_errors",
-            "Gateway: upstream failures (connect, timeout, deadline, read, too_large, "
-            "unavailable).", ["upstream", "kind"])
-        self.upstream_healthy = Gauge(
-            "bregman_server_upstream_healthy", "Gateway: 1 if the upstream's /health answered "
-            "200.", ["upstream"], multiprocess_mode="livemax")
         self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
         self._in_flight: dict[str, Any] = {}
 

@@ -2,8 +2,7 @@
 
 The descriptions, ranges and defaults come from `bregman_vllm.params.FIELD_SPECS`, the one source
 of truth shared with the README and the vLLM processor. `extend_openapi` adds them to the request
-schemas of vLLM's own app (in-process server, ``vllm serve --middleware``); the gateway documents
-its two generation routes with `CompletionRequest` / `ChatCompletionRequest`. Bodies are never
+schemas of vLLM's own app (in-process server, ``vllm serve --middleware``). Bodies are never
 parsed into these models: the middleware reads the JSON, validates the ``bregman_*`` fields and
 leaves every other field to vLLM.
 """
@@ -17,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from bregman_vllm.params import FIELD_SPECS, REQUEST_KEYS, FieldSpec
 
+from .routes import HONOURED_ROUTES
 from .settings import ServerSettings
 
 _SPECS: dict[str, FieldSpec] = {spec.name: spec for spec in FIELD_SPECS}
@@ -56,41 +56,6 @@ class BregmanFields(BaseModel):
         "unchanged except for its bregman_* keys, which the top-level fields override.")
 
 
-class _GenerationFields(BregmanFields):
-    model: str | None = Field(None, description="Model name, as listed by GET /v1/models.")
-    max_tokens: int | None = Field(None, ge=0, description="Maximum number of generated tokens.")
-    temperature: float | None = Field(
-        None, ge=0, description="Softmax temperature, applied before Bregman decoding; 0 is "
-        "greedy, which Bregman decoding never changes.")
-    top_p: float | None = Field(
-        None, gt=0, le=1, description="Nucleus sampling, applied to the Bregman output.")
-    top_k: int | None = Field(
-        None, description="vLLM's top-k, applied to the Bregman output (-1 or 0: off).")
-    stream: bool | None = Field(None, description="Server-sent events, one chunk per token.")
-
-
-class CompletionRequest(_GenerationFields):
-    """POST /v1/completions: OpenAI's completion request plus the Bregman fields.
-
-    Every other OpenAI or vLLM field (n, stop, seed, logprobs, min_p, ...) is forwarded unchanged.
-    """
-
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        ..., description="The prompt(s): text or token ids.")
-
-
-class ChatCompletionRequest(_GenerationFields):
-    """POST /v1/chat/completions: OpenAI's chat request plus the Bregman fields.
-
-    Every other OpenAI or vLLM field (n, stop, seed, logprobs, tools, ...) is forwarded unchanged.
-    """
-
-    messages: list[dict[str, Any]] = Field(
-        ..., description='The conversation, e.g. [{"role": "user", "content": "Hi"}].')
-    max_completion_tokens: int | None = Field(
-        None, ge=0, description="Maximum number of generated tokens (newer OpenAI name).")
-
-
 def bregman_properties(settings: ServerSettings) -> dict[str, Any]:
     """JSON schemas of the ``bregman_*`` fields, with this server's defaults filled in."""
     schema = BregmanFields.model_json_schema()
@@ -104,23 +69,9 @@ def bregman_properties(settings: ServerSettings) -> dict[str, Any]:
     return properties
 
 
-def openapi_components(settings: ServerSettings) -> dict[str, Any]:
-    """The gateway's request models for ``components.schemas``, with this server's defaults."""
-    schemas: dict[str, Any] = {}
-    properties = bregman_properties(settings)
-    for model in (CompletionRequest, ChatCompletionRequest):
-        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        schemas.update(schema.pop("$defs", {}))
-        schema["properties"].update(properties)
-        schemas[model.__name__] = schema
-    return schemas
-
-
 def extend_openapi(app: Any, settings: ServerSettings) -> None:
     """Make ``app.openapi()`` (vLLM's app) list the Bregman fields in the request schema of every
-    route that takes them (`middleware.HONOURED_ROUTES`)."""
-    from .middleware import HONOURED_ROUTES
-
+    route that takes them (`routes.HONOURED_ROUTES`)."""
     original = app.openapi
 
     def openapi() -> dict[str, Any]:

@@ -1,8 +1,7 @@
-"""Running uvicorn under our own signal handling: shared by the in-process server
-(`bregman_server.engine`) and the gateway (`bregman_server.gateway`).
+"""Running uvicorn under our own signal handling (`bregman_server.engine`).
 
-Both servers install their SIGTERM / SIGINT handlers on the event loop themselves and shut down
-in the same order: refuse new requests (503, /health 503), let open ones finish for
+The server installs its SIGTERM / SIGINT handlers on the event loop itself and shuts down in
+this order: refuse new requests (503, /health 503), let open ones finish for
 ``graceful_timeout`` seconds, end the rest (a stream gets an error event and ``data: [DONE]``, a
 request still waiting for its answer a 503), then stop uvicorn.
 """
@@ -13,7 +12,7 @@ import contextlib
 import logging
 from typing import Any
 
-from .middleware import Lifecycle
+from .lifecycle import Lifecycle
 
 logger = logging.getLogger("bregman_server")
 

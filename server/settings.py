@@ -9,11 +9,10 @@ first. The middleware loaded by ``vllm serve --middleware ...`` reads the same v
 from __future__ import annotations
 
 import math
-import re
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from bregman_vllm.params import (
     DEFAULT_ALPHA,
@@ -42,13 +41,6 @@ class ServerSettings(BaseSettings):
 
     # --- what we serve ------------------------------------------------------------------------
     model: str | None = Field(None, description="Model that vLLM serves in this process.")
-    # NoDecode: "http://a:8000,http://b:8000" or whitespace-separated, not JSON, in the env.
-    upstream: Annotated[list[str], NoDecode] = Field(
-        default_factory=list,
-        description="Gateway mode: upstream vLLM server URLs, round-robin over the healthy ones "
-        "(in the environment separated by commas or spaces). Empty: vLLM runs in this process.")
-    upstream_api_key: SecretStr | None = Field(
-        None, description="Gateway: Bearer key sent to the upstream servers (their API key).")
 
     # --- security and limits of client connections -----------------------------------------
     api_key: SecretStr | None = Field(
@@ -74,21 +66,6 @@ class ServerSettings(BaseSettings):
         10.0, ge=0, description="On SIGTERM, seconds to let open requests finish; then streams "
         "end with an error event and [DONE], other requests get 503.")
 
-    # --- gateway: the upstream client ---------------------------------------------------------
-    connect_timeout: float = Field(5.0, gt=0, description="Gateway: upstream connect timeout.")
-    read_timeout: float = Field(
-        600.0, gt=0,
-        description="Gateway: longest silence between two bytes from an upstream, seconds.")
-    request_timeout: float = Field(
-        1800.0, gt=0, description="Gateway: total deadline of one upstream exchange (streams "
-        "included), seconds.")
-    max_response_bytes: int = Field(
-        64 * MiB, ge=1, description="Gateway: largest non-streaming upstream response (502).")
-    upstream_max_connections: int = Field(
-        256, ge=1, description="Gateway: connections per upstream at most.")
-    health_interval: float = Field(2.0, gt=0, description="Gateway: seconds between checks.")
-    health_timeout: float = Field(5.0, gt=0, description="Gateway: timeout of one check.")
-
     # --- server-wide Bregman defaults ----------------------------------------------------------
     default_mode: Literal["primal", "dual", "off"] = Field(
         "off", description='Bregman mode of requests that do not say; "off" leaves them alone.')
@@ -103,25 +80,6 @@ class ServerSettings(BaseSettings):
         "exits with status 3.")
     cpu_kvcache_space_gib: int = Field(
         4, ge=1, description="VLLM_CPU_KVCACHE_SPACE for CPU builds of vLLM when it is unset.")
-
-    @field_validator("upstream", mode="before")
-    @classmethod
-    def _split_upstreams(cls, value: Any) -> Any:
-        if value is None:
-            return []
-        if isinstance(value, str):
-            value = [part for part in re.split(r"[\s,]+", value) if part]
-        return value
-
-    @field_validator("upstream")
-    @classmethod
-    def _check_upstreams(cls, value: list[str]) -> list[str]:
-        cleaned = []
-        for url in value:
-            if not re.match(r"^https?://[^/\s]+", url):
-                raise ValueError(f"upstream URL must start with http:// or https://, got {url!r}")
-            cleaned.append(url.rstrip("/").removesuffix("/v1"))
-        return cleaned
 
     @field_validator("default_alpha")
     @classmethod
@@ -143,15 +101,6 @@ class ServerSettings(BaseSettings):
     def api_key_value(self) -> str | None:
         """Our API key in clear (None when unset or empty)."""
         return _secret(self.api_key)
-
-    def upstream_api_key_value(self) -> str | None:
-        """The upstream key in clear (or None), for the Authorization header we send."""
-        return _secret(self.upstream_api_key)
-
-    @property
-    def gateway(self) -> bool:
-        """Gateway mode: upstream URLs given; otherwise vLLM runs in this process."""
-        return bool(self.upstream)
 
     def bregman_defaults(self) -> BregmanParams:
         """The server-wide defaults as the parameter model (mode "off" leaves requests alone)."""

@@ -27,7 +27,8 @@ import pytest
 from bregman_server.bregman import apply_bregman
 from bregman_server.cli import parse_args
 from bregman_server.limits import uvicorn_config
-from bregman_server.middleware import BregmanMiddleware, Lifecycle
+from bregman_server.lifecycle import Lifecycle
+from bregman_server.middleware import BregmanMiddleware
 from bregman_server.serving import http_server
 from bregman_server.settings import ServerSettings
 from starlette.applications import Starlette
@@ -50,7 +51,7 @@ def test_server_never_imports_torch_or_vllm_until_it_serves() -> None:
     code = textwrap.dedent("""
         import sys
         import bregman_server, bregman_server.cli, bregman_server.engine, bregman_server.limits
-        import bregman_server.middleware, bregman_server.gateway, bregman_server.openapi
+        import bregman_server.middleware, bregman_server.lifecycle, bregman_server.openapi
         from bregman_server.cli import parse_args
         parse_args(["--model", "m"])
         heavy = sorted(m for m in sys.modules
@@ -570,29 +571,22 @@ def test_cli_forwards_unknown_arguments_to_vllm_in_order(clean_env: pytest.Monke
         "--max-model-len", "2048", "--dtype", "bfloat16", "--enforce-eager",
         "--gpu-memory-utilization=0.9", "--default-mode", "primal", "--default-alpha", "1.5",
         "--default-lambda", "0.01"])
-    assert not settings.gateway and settings.model == "/models/smollm2"
+    assert settings.model == "/models/smollm2"
     assert (settings.host, settings.port) == ("0.0.0.0", 8000)
     assert vllm_args == ["--max-model-len", "2048", "--dtype", "bfloat16", "--enforce-eager",
                          "--gpu-memory-utilization=0.9"]
     assert settings.bregman_defaults() == BregmanParams("primal", 1.5, 0.01).validated()
 
 
-def test_cli_upstream_mode_from_a_compose_command_line(clean_env: pytest.MonkeyPatch) -> None:
-    settings, vllm_args = parse_args([
-        "--upstream", "http://vllm-a:8000", "http://vllm-b:8000/v1/", "--host", "0.0.0.0"])
-    assert settings.gateway and vllm_args == []
-    assert settings.upstream == ["http://vllm-a:8000", "http://vllm-b:8000"]
-
-
 def test_environment_settings_and_flags_over_environment(clean_env: pytest.MonkeyPatch) -> None:
-    clean_env.setenv("BREGMAN_UPSTREAM", "http://a:1, http://b:2")
+    clean_env.setenv("BREGMAN_MODEL", "/models/m")
     clean_env.setenv("BREGMAN_API_KEY", "from-env")
     clean_env.setenv("BREGMAN_PORT", "9001")
     clean_env.setenv("BREGMAN_DEFAULT_MODE", "dual")
     clean_env.setenv("BREGMAN_DEFAULT_ALPHA", "inf")
     clean_env.setenv("BREGMAN_DEFAULT_TOP_K", "8")
     settings, _ = parse_args(["--port", "9002"])
-    assert settings.upstream == ["http://a:1", "http://b:2"]
+    assert settings.model == "/models/m"
     assert settings.api_key is not None and settings.api_key.get_secret_value() == "from-env"
     assert "from-env" not in repr(settings)  # SecretStr
     assert settings.port == 9002
@@ -603,11 +597,10 @@ def test_environment_settings_and_flags_over_environment(clean_env: pytest.Monke
 
 @pytest.mark.parametrize("argv", [
     [],  # vLLM in this process needs --model
-    ["--upstream", "http://a:1", "--max-model-len", "5"],  # nothing to forward engine args to
+    ["--upstream", "http://a:1"],  # the gateway is gone: replicas go behind vllm-router
     ["--model", "m", "--default-mode", "dual", "--default-alpha", "1"],  # adaptive dual: > 1
     ["--model", "m", "--default-lambda", "-1"],
     ["--model", "m", "--default-mode", "beam"],
-    ["--upstream", "ftp://a"],
 ])
 def test_cli_rejects_bad_command_lines(argv: list[str], clean_env: pytest.MonkeyPatch,
                                        capsys: pytest.CaptureFixture[str]) -> None:
@@ -672,7 +665,7 @@ def test_error_body_is_json_serializable_shape() -> None:
     assert error_body("m", param="p") == {"error": {"message": "m", "type":
                                                      "invalid_request_error", "param": "p",
                                                      "code": None}}
-    event = sse_error_event("broke", code="upstream_read").decode()
+    event = sse_error_event("broke", code="shutdown").decode()
     first, second = event.strip().split("\n\n")
     assert json.loads(first.removeprefix("data: "))["error"]["message"] == "broke"
     assert second == "data: [DONE]"
