@@ -9,6 +9,7 @@ failing test never leaves processes behind.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -234,3 +235,63 @@ def finite_top_logprobs(entry: Any) -> int:
     else:  # chat: [{"token", "logprob", ...}] (dicts, or the SDK's objects)
         values = [item["logprob"] if isinstance(item, dict) else item.logprob for item in entry]
     return sum(1 for value in values if value > -9000)
+
+
+# --- request bodies written the many ways vLLM reads them ------------------------------------
+
+#: How `encode_body` writes a body. All but "gzip" are the same JSON object to vLLM's
+#: ``json.loads``; "gzip" is the same bytes compressed, with ``Content-Encoding: gzip``.
+BODY_ENCODINGS = ("utf-8", "escaped-keys", "ascii-escapes", "utf-8-bom", "utf-16", "utf-16-le",
+                  "utf-16-be", "utf-32", "utf-32-le", "utf-32-be", "duplicate-keys", "gzip")
+
+_BOMS = {"utf-8-bom": ("utf-8", b"\xef\xbb\xbf"), "utf-16": ("utf-16-le", b"\xff\xfe"),
+         "utf-32": ("utf-32-le", b"\xff\xfe\x00\x00")}
+
+
+def _escaped(key: str) -> str:
+    """A JSON string for ``key`` with its first letter and every underscore as ``\\uXXXX``."""
+    text = json.dumps(key)[1:-1]
+    if text:
+        text = f"\\u{ord(text[0]):04x}" + text[1:]
+    return '"' + text.replace("_", "\\u005f") + '"'
+
+
+def _write(value: Any, escape_keys: bool, decoys: bool, ascii_only: bool) -> str:
+    """JSON text of ``value``; keys escaped, or each key written twice (a decoy value first: the
+    last one wins), as asked."""
+    if isinstance(value, dict):
+        items = []
+        for key, item in value.items():
+            name = _escaped(key) if escape_keys else json.dumps(key, ensure_ascii=ascii_only)
+            written = _write(item, escape_keys, decoys, ascii_only)
+            if decoys:
+                items.append(f"{name}: {json.dumps(_decoy(item))}")
+            items.append(f"{name}: {written}")
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_write(item, escape_keys, decoys, ascii_only)
+                               for item in value) + "]"
+    return json.dumps(value, ensure_ascii=ascii_only)
+
+
+def _decoy(value: Any) -> Any:
+    """A different value of another kind, which would change the outcome if it were read."""
+    return "decoy" if not isinstance(value, str) else 0
+
+
+def encode_body(body: dict[str, Any], how: str) -> tuple[bytes, dict[str, str]]:
+    """``body`` as raw bytes written ``how`` (one of BODY_ENCODINGS), and the headers that go
+    with them."""
+    import gzip
+
+    headers = {"content-type": "application/json"}
+    if how == "gzip":
+        headers["content-encoding"] = "gzip"
+        return gzip.compress(json.dumps(body).encode()), headers
+    text = _write(body, escape_keys=how == "escaped-keys", decoys=how == "duplicate-keys",
+                  ascii_only=how == "ascii-escapes")
+    if how in _BOMS:
+        codec, bom = _BOMS[how]
+        return bom + text.encode(codec, "surrogatepass"), headers
+    codec = how if how.startswith("utf-") else "utf-8"
+    return text.encode(codec, "surrogatepass"), headers
