@@ -26,8 +26,8 @@ import httpx
 import pytest
 from bregman_server.bregman import apply_bregman
 from bregman_server.cli import parse_args
-from bregman_server.limits import uvicorn_config
 from bregman_server.lifecycle import Lifecycle
+from bregman_server.limits import uvicorn_config
 from bregman_server.middleware import BregmanMiddleware
 from bregman_server.serving import http_server
 from bregman_server.settings import ServerSettings
