@@ -57,8 +57,12 @@ LIMITS = ["--header-timeout", "3", "--body-timeout", "5", "--body-deadline", "30
           "--max-header-bytes", "16384", "--max-connections", "256", "--graceful-timeout", "1",
           "--engine-exit-grace", "1"]
 DEFAULTS = ["--default-mode", "primal", "--default-top-k", "2"]
+# The fault tests need requests still running after SIGTERM + grace: 2000 steps of the tiny
+# model (4.8 s at load 7 on 2 cores) once ended before that on a quieter machine, so they get
+# 8000 (a longer context; the tiny model's KV cache is 1 KiB a token).
 ENGINE = ["--logprobs-mode", "processed_logprobs", "--max-num-seqs", "32", "--enforce-eager",
-          "--max-model-len", "2048"]
+          "--max-model-len", "8192"]
+LONG_TOKENS = 8000
 
 FIGURES: dict[str, Any] = {"requests": 0, "5xx": 0, "not_openai_shaped": 0,
                            "load_requests": 0, "load_ok": 0, "trickling_connections": 0,
@@ -647,7 +651,8 @@ def test_load_240_requests_at_concurrency_32(servers: Servers) -> None:
 def _in_flight(url: str) -> tuple[threading.Thread, threading.Thread, dict[str, Any]]:
     """A long stream and a long non-streaming request, running."""
     results: dict[str, Any] = {}
-    long = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "n": 4}
+    long = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG_TOKENS, "ignore_eos": True,
+            "n": 4}
 
     def stream() -> None:
         with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True},
@@ -686,7 +691,7 @@ def _assert_ended_in_openai_shape(results: dict[str, Any], code: str) -> None:
 def test_sigterm_drains_then_ends_open_requests(servers: Servers) -> None:
     server = servers.draining
     stream, waiting, results = _in_flight(server.url)
-    time.sleep(1.5)  # both are being generated (2000 tokens x 4 take far longer than 1 s grace)
+    time.sleep(1.5)  # both are being generated (8000 steps take far longer than the 1 s grace)
     server.remember_descendants()
     os.kill(server.pid, signal.SIGTERM)
     stream.join(60)
