@@ -435,7 +435,7 @@ def _outcome(response: httpx.Response) -> tuple[int, Any]:
     return response.status_code, content["received"]
 
 
-@settings(max_examples=200, deadline=None, derandomize=True,
+@settings(max_examples=120, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(body=fuzz_bodies(), how=st.sampled_from(BODY_ENCODINGS),
        path=st.sampled_from(["/v1/completions", "/v1/chat/completions/batch", "/tokenize"]))
