@@ -44,7 +44,7 @@ from .auth import UNAUTHORIZED, KeyCheck, header
 from .bregman import apply_bregman, encode_json_body, parse_json_body, refuse_bregman_fields
 from .errors import APIError, error_response, unavailable
 from .lifecycle import Cut, Flight, Lifecycle, SlowClient
-from .metrics import metrics
+from .metrics import attach_engine_metrics, detach_engine_metrics, metrics
 from .routes import HONOURED_ROUTES, HONOURED_TEXT
 from .settings import ServerSettings
 
@@ -145,6 +145,7 @@ class BregmanMiddleware:
         self._adopt_vllm_key = standalone and key is None
         self._engine: Any = None
         self._openapi_ready = False
+        self._engine_metrics_ready = False
         self.metrics = metrics()
 
     # --- per request ---------------------------------------------------------------------
@@ -152,6 +153,9 @@ class BregmanMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind != "http":
+            if kind == "lifespan":
+                await self._lifespan(scope, receive, send)
+                return
             if kind == "websocket" and not self._websocket_allowed(scope):
                 await send({"type": "websocket.close", "code": 1008})
                 return
@@ -171,6 +175,9 @@ class BregmanMiddleware:
             return
         if path == "/openapi.json" and not self._openapi_ready:
             self._extend_openapi(scope)
+        if path == "/metrics" and not self._engine_metrics_ready:
+            self._engine_metrics_ready = True  # normally done at startup (`_lifespan`)
+            attach_engine_metrics(scope.get("app"))
 
         task = asyncio.current_task()
         flight = Flight(send, self.settings.send_timeout, lambda: self._refused(scope))
@@ -254,6 +261,16 @@ class BregmanMiddleware:
         headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
         headers.append((b"content-length", str(len(raw)).encode()))
         return mode, {**scope, "headers": headers}, raw
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The server's start and stop: the engine's metrics on /metrics while it runs."""
+        self._engine_metrics_ready = True
+        directory = attach_engine_metrics(scope.get("app"))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if directory is not None:
+                detach_engine_metrics(directory)
 
     # --- state ----------------------------------------------------------------------------
 
