@@ -424,3 +424,17 @@ def test_promql_metric_names():
         "bregman_support_size_bucket", "vllm:generation_tokens_total"}
     assert promql_metric_names("histogram_quantile(0.9, sum by (le, mode) (rate(x_bucket[1m])))"
                                ) == {"x_bucket"}
+
+
+def test_greedy_rows_are_neither_decoded_nor_counted_under_v1():
+    """vLLM's V1 sampler takes greedy rows' argmax before the processor runs; the processor
+    skips them (as under V2), so they are not counted as Bregman-decoded tokens."""
+    proc = BregmanLogitsProcessor(EngineConfig(), torch.device("cpu"), False)
+    added = [(0, SamplingParams(temperature=0.0, extra_args=PRIMAL), None, []),
+             (1, SamplingParams(temperature=1.0, extra_args=PRIMAL), None, [])]
+    proc.update_state(BatchUpdate(2, [], added, []))
+    logits = logits_for(batch=2)
+    before = counts()
+    out = proc.apply(logits.clone())
+    assert torch.equal(out[0], logits[0]) and not torch.equal(out[1], logits[1])
+    assert delta(counts(), before)["primal"] == 1

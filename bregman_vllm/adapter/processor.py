@@ -183,7 +183,10 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         for index in batch_update.removed:
             changed |= self.requests.pop(index, None) is not None
         for index, params, _prompt, _output in batch_update.added:
-            wanted = self._wanted(params.extra_args if params is not None else None)
+            # Greedy rows take their argmax before this processor runs (V1 sampler): skip them,
+            # as under V2 (`add_request`), so that they are neither decoded nor counted.
+            greedy = getattr(params, "temperature", 1.0) < _GREEDY_TEMPERATURE
+            wanted = None if params is None or greedy else self._wanted(params.extra_args)
             if wanted is not None:
                 self.requests[index] = wanted
                 changed = True
