@@ -110,7 +110,8 @@ def totals() -> dict[em.Series, float]:
 def register(interface: str) -> None:
     """Show this engine's series from the start (at 0), so that a scraper can tell "none"
     from "not counted"."""
-    _engine().show(em.every_series(interface))
+    with _NeverRaise():
+        _engine().show(em.every_series(interface))
 
 
 def record_failure(rows: int, interface: str, error: BaseException) -> None:
@@ -310,8 +311,9 @@ class StepRecorder:
         self._modes = np.zeros(0, dtype=np.int8)
         self._family_rows = 0
         self._counts: bool | None = None  # tensor-parallel rank 0 (decided at the first step)
-        engine = _engine()
-        engine.target(em.shared_directory(getattr(vllm_config, "instance_id", None) or None))
+        with _NeverRaise():
+            instance = getattr(vllm_config, "instance_id", None)
+            _engine().target(em.shared_directory(instance if isinstance(instance, str) else None))
         register(interface)
 
     def record(self, plan: Plan, k: torch.Tensor, stats: StepStats) -> None:
