@@ -9,6 +9,10 @@ runs vLLM's server in its own process with it, and the gateway (``--upstream``) 
 class in front of its proxy routes. vLLM adds middleware named on the command line last, so this
 one is the outermost layer: it sees every request before vLLM's routes and middleware do.
 
+At the server's start (the ASGI lifespan) it puts the engine processes' Bregman metrics (k*,
+exact path, failures) on vLLM's ``/metrics`` (`bregman_server.metrics.attach_engine_metrics`),
+and takes them off when the server stops.
+
 Each HTTP request, in order:
 
 1. ``/health`` answers 503 with the reason while the server drains or its engine is dead, so

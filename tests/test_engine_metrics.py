@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -438,3 +439,52 @@ def test_greedy_rows_are_neither_decoded_nor_counted_under_v1():
     out = proc.apply(logits.clone())
     assert torch.equal(out[0], logits[0]) and not torch.equal(out[1], logits[1])
     assert delta(counts(), before)["primal"] == 1
+
+
+def test_plain_vllm_middleware_shows_the_engine_files_while_the_server_runs(monkeypatch):
+    """The middleware's lifespan under plain vLLM (no PROMETHEUS_MULTIPROC_DIR): the instance's
+    directory exists and its files are in the registry while the server runs, and are gone
+    after it stops. (tests/test_server.py checks a real vLLM server's /metrics.)"""
+    import asyncio
+
+    from bregman_server import metrics as server_metrics
+    from bregman_server.middleware import BregmanMiddleware
+    from bregman_server.settings import ServerSettings
+    from prometheus_client import REGISTRY
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    instance = f"unit-{os.getpid()}-{time.monotonic_ns()}"
+    directory = em.instance_directory(instance)
+    app_state = SimpleNamespace(engine_client=SimpleNamespace(
+        vllm_config=SimpleNamespace(instance_id=instance)))
+    seen = {}
+
+    async def app(scope, receive, send):  # stands in for vLLM's app: runs its lifespan
+        assert (await receive())["type"] == "lifespan.startup"
+        seen["during"] = directory.is_dir()
+        engine = telemetry._Engine()  # an engine process writing there
+        engine.pid = 424242
+        engine.target(directory)
+        engine.show(em.every_series("v1"))
+        registry = CollectorRegistry()  # what the attached collector adds to vLLM's registry
+        registry.register(server_metrics._attached[directory])
+        seen["shown"] = registry.get_sample_value("bregman_processor_failures_total",
+                                                  {"interface": "v1"})
+        seen["registered"] = server_metrics._attached[directory] in REGISTRY._collector_to_names
+        await send({"type": "lifespan.startup.complete"})
+        assert (await receive())["type"] == "lifespan.shutdown"
+        await send({"type": "lifespan.shutdown.complete"})
+
+    messages = iter([{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}])
+
+    async def receive():
+        return next(messages)
+
+    async def send(message):
+        return None
+
+    middleware = BregmanMiddleware(app, ServerSettings())
+    asyncio.run(middleware({"type": "lifespan", "app": SimpleNamespace(state=app_state)},
+                           receive, send))
+    assert seen == {"during": True, "shown": 0.0, "registered": True}
+    assert not directory.exists() and directory not in server_metrics._attached
