@@ -9,9 +9,12 @@ runs vLLM's server in its own process with it. vLLM adds middleware named on the
 last, so this one is the outermost layer: it sees every request before vLLM's routes and
 middleware do.
 
-On the first request it reads the app it wraps (``scope["app"]``, vLLM's FastAPI app): which
-routes take the Bregman fields (`bregman_server.routes`) and whether vLLM's CORS layer answers
-preflights inside it. Then each HTTP request, in order:
+At the server's start (the ASGI lifespan) it puts the engine processes' Bregman metrics (k*,
+exact path, failures) on vLLM's ``/metrics`` (`bregman_server.metrics.attach_engine_metrics`),
+and takes them off when the server stops. On the first request it reads the app it wraps
+(``scope["app"]``, vLLM's FastAPI app): which routes take the Bregman fields
+(`bregman_server.routes`) and whether vLLM's CORS layer answers preflights inside it. Then each
+HTTP request, in order:
 
 1. ``/health`` answers 503 with the reason while the server drains or its engine is dead, so
    that load balancers move on; otherwise it goes to the app (vLLM's own check).
@@ -60,7 +63,7 @@ from .jsonbody import (
     refuse_special,
 )
 from .lifecycle import Cut, Flight, Lifecycle, SlowClient
-from .metrics import metrics
+from .metrics import attach_engine_metrics, detach_engine_metrics, metrics
 from .routes import FORM, Routes, honoured_routes
 from .settings import ServerSettings
 
@@ -191,6 +194,7 @@ class BregmanMiddleware:
         # Read from the app on the first request (`_learn`).
         self.routes: Routes | None = None
         self._cors_inside = False
+        self._engine_metrics_ready = False
         self.metrics = metrics()
 
     # --- per request ---------------------------------------------------------------------
@@ -198,6 +202,9 @@ class BregmanMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind != "http":
+            if kind == "lifespan":
+                await self._lifespan(scope, receive, send)
+                return
             if kind == "websocket" and not self._websocket_allowed(scope):
                 await send({"type": "websocket.close", "code": 1008})
                 return
@@ -220,6 +227,9 @@ class BregmanMiddleware:
             return
         if path == "/openapi.json" and not self._openapi_ready:
             self._extend_openapi(scope)
+        if path == "/metrics" and not self._engine_metrics_ready:
+            self._engine_metrics_ready = True  # normally done at startup (`_lifespan`)
+            attach_engine_metrics(scope.get("app"))
 
         task = asyncio.current_task()
         flight = Flight(send, self.settings.send_timeout, lambda: self._refused(scope))
@@ -317,6 +327,16 @@ class BregmanMiddleware:
         headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
         headers.append((b"content-length", str(len(raw)).encode()))
         return mode, {**scope, "headers": headers}, raw
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The server's start and stop: the engine's metrics on /metrics while it runs."""
+        self._engine_metrics_ready = True
+        directory = attach_engine_metrics(scope.get("app"))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if directory is not None:
+                detach_engine_metrics(directory)
 
     # --- state ----------------------------------------------------------------------------
 

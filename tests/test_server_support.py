@@ -308,3 +308,115 @@ REVIEWED_UNTYPED_POSTS = frozenset({
     "/v1/chat/completions/render", "/v1/messages/render", "/v1/completions/render",
     "/v1/responses/render", "/v1/chat/completions/derender", "/v1/completions/derender",
     "/inference/v1/generate"})
+
+
+# --- the engine's Bregman metrics on /metrics (k*, exact path, failures) ----------------------
+
+def engine_counts(text: str) -> dict[str, float]:
+    """The engine-side Bregman metrics of one /metrics text: k* observations and their sum by
+    mode, exact-path rows by reason, failures; and vLLM's generated tokens per engine."""
+    counts = {}
+    for mode in ("primal", "dual"):
+        counts[mode] = prometheus_value(text, "bregman_support_size_count", 0.0, mode=mode)
+        counts[f"{mode}_sum"] = prometheus_value(text, "bregman_support_size_sum", 0.0,
+                                                 mode=mode)
+    for reason in ("family", "uncertified"):
+        counts[reason] = prometheus_value(text, "bregman_exact_path_rows_total", 0.0,
+                                          reason=reason)
+    counts["failures"] = prometheus_value(text, "bregman_processor_failures_total", 0.0)
+    for engine in sorted(set(re.findall(
+            r'^vllm:generation_tokens_total\{[^}]*engine="(\d+)"', text, re.M))):
+        counts[f"generated{engine}"] = prometheus_value(
+            text, "vllm:generation_tokens_total", engine=engine)
+    return counts
+
+
+def scrape(url: str, headers: dict[str, str] | None = None) -> str:
+    response = httpx.get(url + "/metrics", headers=headers or {}, timeout=30)
+    assert response.status_code == 200, response.text
+    return response.text
+
+
+def wait_for_no_running_request(url: str, headers: dict[str, str] | None = None,
+                                timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while prometheus_value(scrape(url, headers), "vllm:num_requests_running", 0.0) != 0:
+        assert time.monotonic() < deadline, "vLLM still runs requests"
+        time.sleep(0.25)
+
+
+def complete_all(url: str, headers: dict[str, str] | None, bodies: list[dict[str, Any]]
+                 ) -> int:
+    """POST every body to /v1/completions at once; the completion tokens of all."""
+    import concurrent.futures
+
+    def one(body: dict[str, Any]) -> int:
+        response = httpx.post(url + "/v1/completions", json=body, headers=headers or {},
+                              timeout=120)
+        assert response.status_code == 200, response.text
+        return int(response.json()["usage"]["completion_tokens"])
+
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        return sum(pool.map(one, bodies))
+
+
+def settled_counts(url: str, headers: dict[str, str] | None, done: Any,
+                   timeout: float = 10.0) -> dict[str, float]:
+    """The counts once ``done(counts)`` holds, or after ``timeout`` seconds (the caller then
+    asserts): on a GPU the engine reads a step's k* a step later; on the CPU at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        counts = engine_counts(scrape(url, headers))
+        if done(counts) or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.2)
+
+
+def check_engine_metrics_add_up(url: str, model: str, headers: dict[str, str] | None = None,
+                                engines: int = 1, requests: int = 4, tokens: int = 6,
+                                off: dict[str, Any] | None = None) -> dict[str, float]:
+    """The engine's Bregman metrics on the /metrics of the server at ``url`` (a real one):
+
+    1. ``requests`` primal, dual and plain completions of exactly ``tokens`` tokens each, at
+       once: the k* histogram's count grows by exactly the tokens decoded in each mode, plain
+       requests add nothing, and every k* observed is that of the fixed top-2 support (the
+       sum grows by 2 per token). ``off``: a plain request's fields (``{"bregman_mode":
+       "off"}`` where the server has Bregman defaults).
+    2. With ``engines`` > 1 (vLLM's data parallelism, one engine process per rank):
+       ``2 * requests`` Bregman completions at once; every engine generated some of their
+       tokens (vLLM's ``vllm:generation_tokens_total{engine}``), and the histogram's count,
+       summed over the engine processes' files, grew by all of them.
+
+    Returns the changes of step 1."""
+    base = {"model": model, "prompt": "ROMEO:\n", "max_tokens": tokens, "temperature": 1.0,
+            "ignore_eos": True}
+    fields = {"primal": {"bregman_alpha": 1.5, "bregman_top_k": 2},
+              "dual": {"bregman_mode": "dual", "bregman_alpha": 1.5, "bregman_top_k": 2},
+              "plain": off or {}}
+    wait_for_no_running_request(url, headers)
+    before = engine_counts(scrape(url, headers))
+    bodies = [{**base, **fields[kind], "seed": i} for i in range(requests) for kind in fields]
+    generated = complete_all(url, headers, bodies)
+    assert generated == 3 * requests * tokens
+    expected = requests * tokens
+    after = settled_counts(url, headers, lambda c: c["primal"] - before["primal"] >= expected
+                           and c["dual"] - before["dual"] >= expected)
+    change = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
+    assert change["primal"] == expected, change
+    assert change["dual"] == expected, change  # plain requests added nothing to either
+    assert change["primal_sum"] == change["dual_sum"] == 2 * expected, change
+    assert change["failures"] == 0, change
+    served = {key: value for key, value in change.items() if key.startswith("generated")}
+    assert sum(served.values()) == generated, change  # vLLM's own count, over every engine
+    if engines > 1:
+        before = after
+        bodies = [{**base, **fields[("primal", "dual")[i % 2]], "seed": i}
+                  for i in range(2 * requests)]
+        generated = complete_all(url, headers, bodies)
+        total = before["primal"] + before["dual"] + generated
+        after = settled_counts(url, headers, lambda c: c["primal"] + c["dual"] >= total)
+        second = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in after}
+        served = {key: value for key, value in second.items() if key.startswith("generated")}
+        assert len(served) == engines and all(value > 0 for value in served.values()), second
+        assert second["primal"] + second["dual"] == sum(served.values()) == generated, second
+    return change
