@@ -7,11 +7,15 @@
    and ``max_tokens`` with and without Bregman decoding on every request, interleaved on one
    engine (A B A B ...). Target: at most 5% fewer tokens/s with Bregman.
 3. The step on a batch mixing six families: one joint pass against one pass per family.
+4. The cost of the engine's k* metrics per step: ``apply()`` with and without them, interleaved
+   (half the rows Bregman, half plain, as in part 1), and the recorder's own time per step
+   (`bregman_vllm.adapter.telemetry.StepRecorder.record`, its files in a temporary directory).
 
-    python benchmarks/bench_processor.py                 # both parts
+    python benchmarks/bench_processor.py                 # every part
     python benchmarks/bench_processor.py --part apply    # only part 1
     python benchmarks/bench_processor.py --part e2e --rounds 3
     python benchmarks/bench_processor.py --part joint
+    python benchmarks/bench_processor.py --part metrics --repeats 25
 """
 
 from __future__ import annotations
@@ -149,9 +153,75 @@ def bench_joint(repeats: int) -> None:
               f"{ms['joint'] / ms['per family']:9.2f}")
 
 
+def bench_metrics(repeats: int) -> None:
+    """Part 4: apply() with the k* metrics and without (the recorder switched off), interleaved,
+    and the recorder alone on the same step's plan and k."""
+    import tempfile
+
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from bregman_vllm.adapter import BregmanLogitsProcessor
+    from bregman_vllm.core.step import StepStats
+
+    class Off:
+        def record(self, *args: object) -> None:
+            return None
+
+    print("\npart 4: the k* metrics per step (median; half the rows Bregman, half plain)")
+    print("  (on/off min: the ratio of the fastest of each, steadier on a busy machine)")
+    print(f"{'batch':>6} {'vocab':>7} {'apply off ms':>12} {'apply on ms':>11} {'on/off':>7} "
+          f"{'on/off min':>10} {'record() us':>11} {'record/step':>11}")
+    with tempfile.TemporaryDirectory() as directory:
+        saved = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory  # files written, as in a server
+        try:
+            for vocab in (49152, 128256):
+                for batch in (1, 32, 256):
+                    procs = {}
+                    for metrics in (True, False):
+                        proc = BregmanLogitsProcessor(object(), torch.device("cpu"), False)
+                        added = [(row, SamplingParams(temperature=1.0, extra_args=bregman_args(
+                            row) if row % 2 == 0 else None), None, []) for row in range(batch)]
+                        proc.update_state(BatchUpdate(batch, [], added, []))
+                        if not metrics:
+                            proc.recorder = Off()
+                        procs[metrics] = proc
+                    g = torch.Generator().manual_seed(batch)
+                    logits = torch.randn(batch, vocab, generator=g) * (
+                        3.0 + 4.0 * torch.rand(batch, 1, generator=g))
+                    times: dict[bool, list[float]] = {True: [], False: []}
+                    for proc in procs.values():
+                        proc.apply(logits.clone())  # warm-up, the plan
+                    for _ in range(repeats):
+                        for metrics, proc in procs.items():
+                            work = logits.clone()
+                            start = time.perf_counter()
+                            proc.apply(work)
+                            times[metrics].append(time.perf_counter() - start)
+                    recorder, plan = procs[True].recorder, procs[True].plan
+                    k = torch.randint(1, 200, (batch,))
+                    record_times = []
+                    for _ in range(20 * repeats):
+                        start = time.perf_counter()
+                        recorder.record(plan, k, StepStats())
+                        record_times.append(time.perf_counter() - start)
+                    on, off = statistics.median(times[True]), statistics.median(times[False])
+                    rec = statistics.median(record_times)
+                    fastest = min(times[True]) / min(times[False])
+                    print(f"{batch:>6} {vocab:>7} {off * 1e3:12.2f} {on * 1e3:11.2f} "
+                          f"{on / off:7.3f} {fastest:10.3f} {rec * 1e6:11.1f} {rec / off:11.2%}")
+        finally:
+            if saved is None:
+                os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+            else:
+                os.environ["PROMETHEUS_MULTIPROC_DIR"] = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["apply", "e2e", "joint", "all"], default="all")
+    parser.add_argument("--part", choices=["apply", "e2e", "joint", "metrics", "all"],
+                        default="all")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=32)
@@ -162,6 +232,8 @@ def main() -> None:
         bench_apply(args.repeats)
     if args.part in ("joint", "all"):
         bench_joint(args.repeats)
+    if args.part in ("metrics", "all"):
+        bench_metrics(args.repeats)
     if args.part in ("e2e", "all"):
         bench_end_to_end(args.rounds, args.batch, args.max_tokens)
 

@@ -3,9 +3,13 @@
 
 `BregmanMiddleware` around a stub ASGI app (reads the body, answers a small JSON) against the
 stub alone, called directly on one event loop (no sockets, so the difference is the
-middleware's own cost): a completion body without Bregman fields and one with them (parsed,
-validated, mapped into ``vllm_xargs``). Calls alternate between the two paths. Target: at most
-0.3 ms added at p50. Everything else in `bregman-serve` is vLLM's own server.
+middleware's own cost), for each kind of completion body: without Bregman fields (UTF-8: the
+fast path), with them (parsed, validated, mapped into ``vllm_xargs``), with an escaped key
+(``"\u0062regman_top_k"``) and in UTF-16 with and without them (read as vLLM reads them).
+``scope["app"]`` is a FastAPI app shaped like vLLM's (a POST route whose request model has
+``vllm_xargs``), from which the middleware reads its routes as it does from vLLM's. Calls
+alternate between the two paths. Target: at most 0.3 ms added at p50. Everything else in
+`bregman-serve` is vLLM's own server.
 
 Usage: python benchmarks/bench_server.py [--asgi-calls 20000] [--json FILE]
 
@@ -47,8 +51,26 @@ async def _stub(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b"{}", "more_body": False})
 
 
-def _scope(body: bytes) -> dict[str, Any]:
-    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+def _vllm_shaped_app() -> Any:
+    """A FastAPI app with vLLM's shape for /v1/completions (never called: its routes are read)."""
+    from fastapi import FastAPI
+    from pydantic import BaseModel, ConfigDict
+
+    class CompletionRequest(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        vllm_xargs: dict[str, Any] | None = None
+
+    async def create_completion(request: CompletionRequest) -> None:  # pragma: no cover
+        return None
+
+    create_completion.__annotations__["request"] = CompletionRequest  # a local class
+    app = FastAPI()
+    app.add_api_route("/v1/completions", create_completion, methods=["POST"])
+    return app
+
+
+def _scope(body: bytes, app: Any) -> dict[str, Any]:
+    return {"type": "http", "app": app, "asgi": {"version": "3.0", "spec_version": "2.3"},
             "http_version": "1.1", "method": "POST", "scheme": "http",
             "path": "/v1/completions", "raw_path": b"/v1/completions", "root_path": "",
             "query_string": b"", "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000),
@@ -57,18 +79,54 @@ def _scope(body: bytes) -> dict[str, Any]:
                         (b"authorization", b"Bearer sk-bench"), (b"accept", b"*/*")]}
 
 
+async def _check_mapping(settings: Any, scope: dict[str, Any], body: bytes, mapped: bool
+                         ) -> None:
+    """One call through the middleware to an app that keeps what it receives: the fields of a
+    "mapped" body reach it in vllm_xargs, any other body arrives as it was sent."""
+    from bregman_server.middleware import BregmanMiddleware
+
+    received: list[bytes] = []
+
+    async def keep(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        received.append((await receive())["body"])
+        await _stub(scope, _empty, send)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await BregmanMiddleware(keep, settings=settings)(dict(scope), receive, send)
+    assert received, sent
+    assert (b'"vllm_xargs"' in received[0]) if mapped else received[0] == body, received
+
+
+async def _empty() -> dict[str, Any]:
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
 async def _measure_middleware(calls: int) -> list[dict[str, Any]]:
     from bregman_server.middleware import BregmanMiddleware
     from bregman_server.settings import ServerSettings
 
     settings = ServerSettings(api_key="sk-bench")
     wrapped = BregmanMiddleware(_stub, settings=settings)
+    app = _vllm_shaped_app()
     prompt = {"model": "m", "prompt": "ROMEO:\n" * 20, "max_tokens": 16, "temperature": 1.0}
+    plain = json.dumps(prompt)
+    mapped = json.dumps({**prompt, **BREGMAN})
+    bodies = (("no Bregman fields", plain.encode()),
+              ("Bregman fields mapped", mapped.encode()),
+              ("escaped key mapped", (plain[:-1] + ', "\\u0062regman_top_k": 4}').encode()),
+              ("UTF-16, no fields", plain.encode("utf-16")),
+              ("UTF-16, fields mapped", mapped.encode("utf-16")))
     rows = []
-    for label, payload in (("no Bregman fields", prompt), ("Bregman fields mapped",
-                                                           {**prompt, **BREGMAN})):
-        body = json.dumps(payload).encode()
-        scope = _scope(body)
+    for label, body in bodies:
+        scope = _scope(body, app)
+        await _check_mapping(settings, scope, body, mapped="mapped" in label)
         statuses: list[int] = []
 
         async def receive(body: bytes = body) -> dict[str, Any]:

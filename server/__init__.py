@@ -2,14 +2,18 @@
 this project's own name).
 
 Layout, in the order a request meets it:
-    bregman_server.limits      the bounded h11 protocol uvicorn runs (head size and time, cap on
-                               connections, OpenAI-shaped 400/408/431/503)
+    bregman_server.limits      the bounded h11 protocol uvicorn runs (head size and time, body
+                               deadline, a connection cap that keeps room for clients that send
+                               their requests, OpenAI-shaped 400/408/431/503)
     bregman_server.middleware  BregmanMiddleware: API key on every route but /health, bounded
                                bodies, the Bregman fields validated and mapped into vllm_xargs,
-                               orderly ends on shutdown or engine death (any vLLM server can load
-                               it with ``--middleware``)
-    bregman_server.routes      the routes whose requests take the Bregman fields
-    bregman_server.bregman     the Bregman fields of a request body (JSON parsing, merging)
+                               every error in OpenAI's shape, orderly ends on shutdown or engine
+                               death (any vLLM server can load it with ``--middleware``)
+    bregman_server.routes      the routes whose requests take the Bregman fields, read from
+                               vLLM's app
+    bregman_server.jsonbody    request bodies as vLLM reads them (encodings, escapes, duplicate
+                               keys) and when one may stay unread
+    bregman_server.bregman     the Bregman fields of a parsed body (validation, merging)
     bregman_server.lifecycle   the open requests: drain on shutdown, cut on engine death
     bregman_server.engine      `bregman-serve --model`: vLLM's own OpenAI server in this process
     bregman_server.serving     uvicorn under our signal handling

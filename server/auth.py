@@ -4,6 +4,12 @@ The key comes from ``--api-key`` or ``BREGMAN_API_KEY`` (for ``vllm serve --midd
 also vLLM's own ``--api-key`` / ``VLLM_API_KEY``). Both sides are hashed before a constant-time
 comparison (`secrets.compare_digest`), so neither the content nor the length of the key leaks
 through timing; every configured key is compared, whichever matches.
+
+The one request that passes without the key is a real CORS preflight, which browsers send
+without credentials: exactly what Starlette's ``CORSMiddleware`` answers itself (``OPTIONS``
+with both ``Origin`` and ``Access-Control-Request-Method``; `is_preflight`), and only when that
+layer runs inside the middleware (`answers_preflights`), so that the request never reaches a
+route.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from collections.abc import Iterable
+from typing import Any
 
 from .errors import APIError
 
@@ -56,3 +63,24 @@ def header(scope_headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes |
         if key == name:
             return value
     return None
+
+
+def is_preflight(scope: Any) -> bool:
+    """Starlette's own test of a CORS preflight (``CORSMiddleware.__call__``)."""
+    if scope["method"] != "OPTIONS":
+        return False
+    headers = scope["headers"]
+    return header(headers, b"origin") is not None \
+        and header(headers, b"access-control-request-method") is not None
+
+
+def answers_preflights(app: Any, outer: type) -> bool:
+    """Whether ``app`` (vLLM's FastAPI app) answers CORS preflights itself, inside the
+    middleware ``outer``: a ``CORSMiddleware`` among its middleware, added before ``outer``
+    (Starlette runs the last added outermost) or with ``outer`` wrapped around the app."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    classes = [getattr(entry, "cls", None) for entry in getattr(app, "user_middleware", ())]
+    if CORSMiddleware not in classes:
+        return False
+    return outer not in classes or classes.index(outer) < classes.index(CORSMiddleware)

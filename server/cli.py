@@ -45,7 +45,7 @@ _GROUPS = {
         "default_mode", "default_alpha", "default_lambda", "default_top_k", "default_k_max"),
     "limits and timeouts (clients)": (
         "max_body_bytes", "max_header_bytes", "max_connections", "header_timeout",
-        "body_timeout", "send_timeout", "keep_alive_timeout", "graceful_timeout",
+        "body_timeout", "body_deadline", "send_timeout", "keep_alive_timeout", "graceful_timeout",
         "engine_exit_grace"),
 }
 

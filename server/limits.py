@@ -7,12 +7,19 @@ on h11 through `BoundedH11Protocol`, which adds, per connection:
 1. a cap on the request head (request line and headers): ``max_header_bytes``, answered 431;
 2. a deadline for a request head once a connection opens or a new request begins:
    ``header_timeout`` seconds, answered 408 (slow-loris connections cannot pile up);
-3. a cap on open connections: ``max_connections``; one more is answered 503 and closed;
-4. OpenAI-shaped JSON bodies for these answers and for malformed requests (400), instead of
+3. a cap on open connections, ``max_connections``, that keeps room for clients that send their
+   requests: when every slot is taken, a new connection closes the one that has waited longest
+   (at least `EVICT_AFTER` seconds) for its client, which is still sending its head or body or
+   sits idle between requests; only if there is none is the new one answered 503 and closed.
+   Trickling clients, however many, cannot lock others out;
+4. a deadline for the whole body of each request (``body_deadline`` plus `BODY_GRACE` seconds,
+   from the end of its head), also when the app answered without reading it: the middleware's
+   own body deadline answers 408 first, this one closes what remains;
+5. OpenAI-shaped JSON bodies for these answers and for malformed requests (400), instead of
    uvicorn's plain text.
 
-The body deadline, the body size and slow readers are bounded in the ASGI middleware
-(`bregman_server.middleware`), where the request is known.
+The body size, the silence between body bytes and slow readers are bounded in the ASGI
+middleware (`bregman_server.middleware`), where the request is known.
 """
 
 from __future__ import annotations
@@ -27,6 +34,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .errors import error_body
 from .settings import ServerSettings
 
+#: Seconds a connection must have waited for its client before a new one may close it.
+EVICT_AFTER = 1.0
+#: Seconds past the body deadline before the connection closes (the middleware's 408 first).
+BODY_GRACE = 1.0
+
 
 def _json(status: int, message: str, type: str, code: str) -> bytes:
     return json.dumps(error_body(message, type, None, code)).encode()
@@ -36,21 +48,26 @@ class BoundedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a head deadline, a connection cap and JSON error bodies.
 
     The limits come from the uvicorn ``Config`` built by `uvicorn_config` (attributes
-    ``bregman_header_timeout`` and ``bregman_max_connections``).
+    ``bregman_header_timeout``, ``bregman_body_deadline`` and ``bregman_max_connections``).
     """
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         self._header_timeout: float = config.bregman_header_timeout
+        self._body_deadline: float = config.bregman_body_deadline + BODY_GRACE
         self._max_connections: int = config.bregman_max_connections
         self._max_head: int = config.h11_max_incomplete_event_size
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
         self._head_seen = 0  # bytes of the current head so far
         self._head_tail = b""  # its last bytes, where a blank line may begin
+        self._waiting_since = 0.0  # when this connection began to wait for a request
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self._max_connections:
+        self._waiting_since = self.loop.time()
+        if len(self.connections) > self._max_connections and self._over_cap() \
+                and not self._make_room():
             self._answer(503, _json(503, "Too many open connections; retry later.",
                                     "server_error", "too_many_connections"),
                          extra=[(b"retry-after", b"1")])
@@ -65,14 +82,77 @@ class BoundedH11Protocol(H11Protocol):
                 "invalid_request_error", "request_header_fields_too_large"))
             return
         super().data_received(data)
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        state = self.conn.their_state
+        if state is h11.IDLE and not self.transport.is_closing():
             self._arm_head_timer()  # bytes of a new head arrived: its deadline runs
         else:
             self._disarm_head_timer()
+        if state is h11.SEND_BODY:
+            if self._body_timer is None:  # the head is complete: the body's deadline runs
+                self._body_timer = self.loop.call_later(self._body_deadline, self._body_expired)
+        elif self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def on_response_complete(self) -> None:
+        self._waiting_since = self.loop.time()  # now waiting for the next request
+        super().on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
         super().connection_lost(exc)
+
+    # --- keeping room ------------------------------------------------------------------------
+
+    def _over_cap(self) -> bool:
+        """Whether more connections are open than the cap (those closing do not count)."""
+        return sum(not other.transport.is_closing() for other in self.connections
+                   if getattr(other, "transport", None) is not None) > self._max_connections
+
+    def _waiting_for_client(self, now: float) -> bool:
+        """Open for at least EVICT_AFTER s and waiting for its client: no request yet, or a
+        body still arriving while no answer is being written."""
+        if self.transport is None or self.transport.is_closing() \
+                or now - self._waiting_since < EVICT_AFTER:
+            return False
+        theirs = self.conn.their_state
+        if theirs is h11.IDLE:
+            return True
+        cycle = self.cycle  # an answer being written is never cut short
+        return theirs is h11.SEND_BODY and (cycle is None or not cycle.response_started
+                                            or cycle.response_complete)
+
+    def _make_room(self) -> bool:
+        """Close the connection that has waited longest for its client, if any."""
+        now = self.loop.time()
+        oldest: BoundedH11Protocol | None = None
+        for other in self.connections:
+            if other is not self and isinstance(other, BoundedH11Protocol) \
+                    and other._waiting_for_client(now) \
+                    and (oldest is None or other._waiting_since < oldest._waiting_since):
+                oldest = other
+        if oldest is None:
+            return False
+        oldest._close_for_room()
+        return True
+
+    def _close_for_room(self) -> None:
+        if self.conn.their_state is h11.IDLE:
+            self._disarm_head_timer()
+            self._answer(503, _json(
+                503, "The server is full and this connection sent no request: it was closed to "
+                "make room for another client.", "server_error", "too_many_connections"),
+                extra=[(b"retry-after", b"1")])
+        else:  # a body still arriving: its request ends as a client that left (499)
+            self.transport.close()
+
+    def _body_expired(self) -> None:
+        self._body_timer = None
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
         self._disarm_head_timer()
@@ -162,4 +242,5 @@ def uvicorn_config(app: Any, settings: ServerSettings, **overrides: Any) -> Any:
     config = uvicorn.Config(app, **options)
     config.bregman_header_timeout = settings.header_timeout  # type: ignore[attr-defined]
     config.bregman_max_connections = settings.max_connections  # type: ignore[attr-defined]
+    config.bregman_body_deadline = settings.body_deadline  # type: ignore[attr-defined]
     return config

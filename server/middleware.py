@@ -4,29 +4,39 @@ Add it to any vLLM OpenAI server with vLLM's documented flag::
 
     vllm serve MODEL --middleware bregman_server.middleware.BregmanMiddleware
 
-(settings from the ``BREGMAN_*`` environment: defaults, API key, body limit). `bregman-serve`
-runs vLLM's server in its own process with it, and the gateway (``--upstream``) puts the same
-class in front of its proxy routes. vLLM adds middleware named on the command line last, so this
-one is the outermost layer: it sees every request before vLLM's routes and middleware do.
+(settings from the ``BREGMAN_*`` environment: defaults, API key, body limits). `bregman-serve`
+runs vLLM's server in its own process with it. vLLM adds middleware named on the command line
+last, so this one is the outermost layer: it sees every request before vLLM's routes and
+middleware do.
 
-Each HTTP request, in order:
+At the server's start (the ASGI lifespan) it puts the engine processes' Bregman metrics (k*,
+exact path, failures) on vLLM's ``/metrics`` (`bregman_server.metrics.attach_engine_metrics`),
+and takes them off when the server stops. On the first request it reads the app it wraps
+(``scope["app"]``, vLLM's FastAPI app): which routes take the Bregman fields
+(`bregman_server.routes`) and whether vLLM's CORS layer answers preflights inside it. Then each
+HTTP request, in order:
 
 1. ``/health`` answers 503 with the reason while the server drains or its engine is dead, so
    that load balancers move on; otherwise it goes to the app (vLLM's own check).
 2. With an API key, every route but ``/health`` needs ``Authorization: Bearer <key>``: vLLM's
    unguarded routes too (``/invocations``, ``/tokenize``, ``/metrics``, ``/load``,
-   ``/openapi.json``, ``/docs`` ...). CORS preflights carry no credentials by design and pass.
+   ``/openapi.json``, ``/docs`` ...). Only a real CORS preflight, which vLLM's CORS layer
+   answers before any route, passes without it (`bregman_server.auth.is_preflight`).
 3. While draining or after the engine died, every other request gets an OpenAI-shaped 503.
-4. A request body is read whole, at most ``max_body_bytes`` (413), then on the routes that
-   generate text with vLLM's ``vllm_xargs`` (`HONOURED_ROUTES`) the top-level ``bregman_*``
-   fields and the server defaults are validated and written into ``vllm_xargs``; on every other
-   route a top-level ``bregman_*`` field is a 400 naming it, never silently ignored. Bodies
-   without ``bregman_``, ``NaN`` or ``Infinity`` (and with the server defaults off) reach vLLM
-   byte for byte, unparsed.
-5. The app runs; its response passes through untouched, streams chunk by chunk. The request is
-   tracked in the server's `Lifecycle`, which ends it properly when the shutdown grace runs out
-   or the engine dies: a stream gets an error event and ``data: [DONE]``, a request still
-   waiting for its answer gets a 503.
+4. A request body is read whole: at most ``max_body_bytes`` (413), no silence longer than
+   ``body_timeout`` and all of it within ``body_deadline`` seconds (408); a ``Content-Encoding``
+   vLLM cannot read is a 415. A body vLLM reads as JSON is read here as vLLM reads it
+   (`bregman_server.jsonbody`: any of its encodings and escapes, the last of duplicate keys),
+   unless it provably carries nothing to act on (the fast path, `jsonbody.must_parse`). On the
+   routes that take them, the top-level ``bregman_*`` fields and the server defaults are
+   validated and written into the route's extra arguments; on every other route a ``bregman_*``
+   field is a 400 naming it, never silently ignored; ``NaN`` / ``Infinity`` (but for
+   ``bregman_alpha``) and JSON nested too deeply are 400s everywhere.
+5. The app runs; its response passes through untouched, streams chunk by chunk, except that
+   its errors reach the client in OpenAI's shape (`bregman_server.errors.OpenAIErrors`). The
+   request is tracked in the server's `Lifecycle`, which ends it properly when the shutdown
+   grace runs out or the engine dies: a stream gets an error event and ``data: [DONE]``, a
+   request still waiting for its answer gets a 503.
 """
 
 from __future__ import annotations
@@ -35,29 +45,31 @@ import asyncio
 import logging
 import time
 from typing import Any
+from urllib.parse import parse_qsl
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bregman_vllm.params import BregmanParamError
 
-from .auth import UNAUTHORIZED, KeyCheck, header
-from .bregman import apply_bregman, encode_json_body, parse_json_body, refuse_bregman_fields
-from .errors import APIError, error_response, unavailable
+from .auth import UNAUTHORIZED, KeyCheck, answers_preflights, header, is_preflight
+from .bregman import apply_bregman, refuse_bregman_fields
+from .errors import APIError, OpenAIErrors, error_response, unavailable
+from .jsonbody import (
+    encode_json_body,
+    is_form_type,
+    is_json_type,
+    must_parse,
+    parse_json_body,
+    refuse_special,
+)
 from .lifecycle import Cut, Flight, Lifecycle, SlowClient
-from .metrics import metrics
-from .routes import HONOURED_ROUTES, HONOURED_TEXT
+from .metrics import attach_engine_metrics, detach_engine_metrics, metrics
+from .routes import FORM, Routes, honoured_routes
 from .settings import ServerSettings
 
 logger = logging.getLogger("bregman_server")
 
-# Bytes that make a body worth parsing. Without them (and with the defaults off) the body goes
-# to vLLM as it came. Many brackets may mean JSON nested deeper than a parser can follow.
-_MARKERS = (b"bregman_", b"NaN", b"Infinity")
-_DEEP = 2_000
-_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-_JSON_TYPES = (b"application/json", b"text/json")
-_FORM_TYPES = (b"multipart/form-data", b"application/x-www-form-urlencoded")
-
+_timeout = getattr(asyncio, "timeout", None)
 
 #: The settings and lifecycle of the server this process runs (`configure_process`); None
 #: under plain ``vllm serve --middleware ...``, where the environment gives the settings.
@@ -85,17 +97,38 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replayed
 
 
-async def _read_body(receive: Receive, limit: int, timeout: float) -> bytes | None:
-    """The whole request body (None if the client left), 413 past ``limit`` bytes, 408 after
-    ``timeout`` seconds without a byte (e.g. a body shorter than its Content-Length)."""
+def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    length = header(headers, b"content-length")
+    return (length is not None and length != b"0") \
+        or header(headers, b"transfer-encoding") is not None
+
+
+async def _receive_within(receive: Receive, seconds: float) -> Message:
+    if _timeout is not None:  # Python >= 3.11: no task per message
+        async with _timeout(seconds):
+            return await receive()
+    return await asyncio.wait_for(receive(), seconds)  # pragma: no cover - Python 3.10
+
+
+async def _read_body(receive: Receive, limit: int, gap: float, deadline: float
+                     ) -> bytes | None:
+    """The whole request body (None if the client left): 413 past ``limit`` bytes, 408 after
+    ``gap`` seconds without a byte (e.g. a body shorter than its Content-Length) or when it is
+    not whole after ``deadline`` seconds (a trickle)."""
+    clock = asyncio.get_running_loop().time
+    end = clock() + deadline
     chunks: list[bytes] = []
     size = 0
     while True:
+        left = end - clock()
         try:
-            message = await asyncio.wait_for(receive(), timeout)
+            message = await _receive_within(receive, min(gap, left))
         except asyncio.TimeoutError:
-            raise APIError(408, f"The request body stalled: nothing arrived for {timeout:g} s "
-                           "(is Content-Length larger than the body?).",
+            if gap < left:
+                raise APIError(408, f"The request body stalled: nothing arrived for {gap:g} s "
+                               "(is Content-Length larger than the body?).",
+                               code="request_timeout", headers=_CLOSE) from None
+            raise APIError(408, f"The request body did not arrive whole within {deadline:g} s.",
                            code="request_timeout", headers=_CLOSE) from None
         if message["type"] == "http.disconnect":
             return None
@@ -116,8 +149,21 @@ def _too_large(limit: int) -> APIError:
                     code="request_too_large", headers=_CLOSE)
 
 
+def _form_has_bregman_field(raw: bytes, content_type: bytes) -> bool:
+    """Whether a form body has a field named ``bregman_*`` (vLLM would ignore it)."""
+    if b"bregman_" not in raw:
+        return False
+    if content_type.lower().lstrip().startswith(b"multipart/"):
+        return any(b'name="bregman_' in part.lower() or b"name=bregman_" in part.lower()
+                   for part in raw.split(b"\r\n") if part.lower().startswith(
+                       b"content-disposition:"))
+    return any(key.startswith("bregman_")
+               for key, _ in parse_qsl(raw.decode("latin-1"), keep_blank_values=True))
+
+
 # The rest of an unread body would be taken for the next request: close the connection.
 _CLOSE = {"Connection": "close"}
+_IDENTITY = (b"", b"identity")
 
 
 class BregmanMiddleware:
@@ -145,6 +191,10 @@ class BregmanMiddleware:
         self._adopt_vllm_key = standalone and key is None
         self._engine: Any = None
         self._openapi_ready = False
+        # Read from the app on the first request (`_learn`).
+        self.routes: Routes | None = None
+        self._cors_inside = False
+        self._engine_metrics_ready = False
         self.metrics = metrics()
 
     # --- per request ---------------------------------------------------------------------
@@ -152,25 +202,34 @@ class BregmanMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind != "http":
+            if kind == "lifespan":
+                await self._lifespan(scope, receive, send)
+                return
             if kind == "websocket" and not self._websocket_allowed(scope):
                 await send({"type": "websocket.close", "code": 1008})
                 return
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
+        routes = self.routes if self.routes is not None else self._learn(scope)
         path = scope["path"]
         root = scope.get("root_path", "")
         if root:
             path = path.removeprefix(root)
-        endpoint = path if path in HONOURED_ROUTES else "other"
+        method = scope["method"]
+        route = routes.match(path)
+        endpoint = route or "other"
         if self._adopt_vllm_key:
             self._adopt_key(scope)
         refused = self._refused(scope)
         if path == "/health" and refused is None:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, OpenAIErrors(send, method, path))
             return
         if path == "/openapi.json" and not self._openapi_ready:
             self._extend_openapi(scope)
+        if path == "/metrics" and not self._engine_metrics_ready:
+            self._engine_metrics_ready = True  # normally done at startup (`_lifespan`)
+            attach_engine_metrics(scope.get("app"))
 
         task = asyncio.current_task()
         flight = Flight(send, self.settings.send_timeout, lambda: self._refused(scope))
@@ -182,22 +241,22 @@ class BregmanMiddleware:
         try:
             try:
                 if path != "/health" and self.key_check is not None \
-                        and not self._preflight(scope) \
+                        and not (self._cors_inside and is_preflight(scope)) \
                         and not self.key_check(header(scope["headers"], b"authorization")):
                     raise UNAUTHORIZED
                 if refused is not None:
                     raise unavailable(refused.message, refused.reason)
-                if scope["method"] in _BODY_METHODS:
+                if _has_body(scope["headers"]):
                     raw = await self._body(scope, receive)
                     if raw is None:  # the client left while sending
                         flight.status = 499
                         return
-                    mode, scope, raw = self._map(scope, path, endpoint, raw)
+                    mode, scope, raw = self._map(scope, method, path, route, raw)
                     receive = _replay(raw, receive)
             except BregmanParamError as exc:
                 mode = "invalid"
                 raise APIError(400, str(exc), param=exc.field) from None
-            await self.app(scope, receive, flight.send)
+            await self.app(scope, receive, OpenAIErrors(flight.send, method, path))
         except APIError as exc:
             await exc.response()(scope, receive, flight.send)
         except asyncio.CancelledError:
@@ -208,11 +267,11 @@ class BregmanMiddleware:
                 uncancel()
             flight.status = await flight.finish(scope, receive)
         except SlowClient as exc:
-            logger.warning("closing %s %s: %s", scope["method"], path, exc)
+            logger.warning("closing %s %s: %s", method, path, exc)
             flight.status = flight.status or 408
             raise
         except Exception:
-            logger.exception("unhandled error on %s %s", scope["method"], path)
+            logger.exception("unhandled error on %s %s", method, path)
             if flight.status is not None:
                 raise
             await error_response(500, "Internal server error.", type="server_error")(
@@ -224,30 +283,44 @@ class BregmanMiddleware:
                                 time.perf_counter() - started)
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes | None:
-        declared = header(scope["headers"], b"content-length")
+        headers = scope["headers"]
+        declared = header(headers, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             raise _too_large(self.limit)
-        return await _read_body(receive, self.limit, self.settings.body_timeout)
+        encoding = header(headers, b"content-encoding")
+        if encoding is not None and encoding.strip().lower() not in _IDENTITY:
+            # vLLM reads bodies as they come: a compressed body would reach it undecoded.
+            raise APIError(415, f"Content-Encoding {encoding.decode('latin-1')[:40]!r} is not "
+                           "supported: send the body uncompressed.",
+                           code="unsupported_content_encoding", headers=_CLOSE)
+        settings = self.settings
+        return await _read_body(receive, self.limit, settings.body_timeout,
+                                settings.body_deadline)
 
-    def _map(self, scope: Scope, path: str, endpoint: str, raw: bytes
+    def _map(self, scope: Scope, method: str, path: str, route: str | None, raw: bytes
              ) -> tuple[str, Scope, bytes]:
         """(mode, scope, body) for the app: the Bregman fields validated and mapped."""
-        content_type = (header(scope["headers"], b"content-type") or b"").lower()
-        if not content_type.startswith(_JSON_TYPES):
-            if b"bregman_" in raw and content_type.startswith(_FORM_TYPES):
+        assert self.routes is not None
+        target = self.routes.targets[route] if route is not None else None
+        honoured = target is not None and target != FORM
+        unread = "off" if honoured else "none"
+        content_type = header(scope["headers"], b"content-type")
+        if not is_json_type(content_type):  # vLLM does not read it as JSON either
+            if is_form_type(content_type) and _form_has_bregman_field(raw, content_type or b""):
                 raise BregmanParamError(
-                    "bregman_*", f"Bregman fields need a JSON body; send them to "
-                    f"{HONOURED_TEXT} with Content-Type: application/json")
-            return ("off" if endpoint != "other" else "none"), scope, raw
-        honoured = endpoint != "other"
-        if not (honoured and self.parse_always) and not any(m in raw for m in _MARKERS) \
-                and raw.count(b"[") + raw.count(b"{") < _DEEP:
-            return ("off" if honoured else "none"), scope, raw
+                    "bregman_*", "Bregman fields need a JSON body; send them to "
+                    f"{self.routes.text} with Content-Type: application/json")
+            return unread, scope, raw
+        if not (honoured and self.parse_always) and not must_parse(raw):
+            return unread, scope, raw
         body, special = parse_json_body(raw)
         if not honoured:
-            refuse_bregman_fields(body, f"{scope['method']} {path}", HONOURED_TEXT)
+            refuse_bregman_fields(body, f"{method} {path}", self.routes.text)
+            if special:
+                raise refuse_special(body)
             return "none", scope, raw
-        mode, changed = apply_bregman(body, self.defaults)
+        assert target is not None
+        mode, changed = apply_bregman(body, self.defaults, target)
         if not (changed or special):
             return mode, scope, raw
         raw = encode_json_body(body)
@@ -255,7 +328,26 @@ class BregmanMiddleware:
         headers.append((b"content-length", str(len(raw)).encode()))
         return mode, {**scope, "headers": headers}, raw
 
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The server's start and stop: the engine's metrics on /metrics while it runs."""
+        self._engine_metrics_ready = True
+        directory = attach_engine_metrics(scope.get("app"))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if directory is not None:
+                detach_engine_metrics(directory)
+
     # --- state ----------------------------------------------------------------------------
+
+    def _learn(self, scope: Scope) -> Routes:
+        """What the app serves: its honoured routes, whether it answers CORS preflights. The
+        app is ``scope["app"]`` inside vLLM's app, the wrapped app when wrapped around one."""
+        app = scope.get("app") or self.app
+        self._cors_inside = answers_preflights(app, type(self))
+        routes = self.routes = honoured_routes(app)
+        logger.info("Bregman fields taken on: %s", routes.text)
+        return routes
 
     def _refused(self, scope: Scope) -> Cut | None:
         """Why new requests get a 503 now (draining, engine dead), or None."""
@@ -272,12 +364,6 @@ class BregmanMiddleware:
         if engine.errored:
             return Cut("engine_dead", "The vLLM engine died; this server is restarting.")
         return None
-
-    @staticmethod
-    def _preflight(scope: Scope) -> bool:
-        """A CORS preflight (no credentials by design; vLLM's CORS layer answers it)."""
-        return scope["method"] == "OPTIONS" and header(
-            scope["headers"], b"access-control-request-method") is not None
 
     def _websocket_allowed(self, scope: Scope) -> bool:
         if self._adopt_vllm_key:
@@ -303,9 +389,7 @@ class BregmanMiddleware:
         """Add the Bregman fields to the app's OpenAPI document (vLLM's request models)."""
         self._openapi_ready = True
         app = scope.get("app")
-        if app is not None and hasattr(app, "openapi"):
+        if app is not None and hasattr(app, "openapi") and self.routes is not None:
             from .openapi import extend_openapi
 
-            extend_openapi(app, self.settings)
-
-
+            extend_openapi(app, self.settings, self.routes)

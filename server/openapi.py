@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from bregman_vllm.params import FIELD_SPECS, REQUEST_KEYS, FieldSpec
 
-from .routes import HONOURED_ROUTES
+from .routes import FORM, Routes
 from .settings import ServerSettings
 
 _SPECS: dict[str, FieldSpec] = {spec.name: spec for spec in FIELD_SPECS}
@@ -69,9 +69,9 @@ def bregman_properties(settings: ServerSettings) -> dict[str, Any]:
     return properties
 
 
-def extend_openapi(app: Any, settings: ServerSettings) -> None:
+def extend_openapi(app: Any, settings: ServerSettings, routes: Routes) -> None:
     """Make ``app.openapi()`` (vLLM's app) list the Bregman fields in the request schema of every
-    route that takes them (`routes.HONOURED_ROUTES`)."""
+    route that takes them (``routes``, read from the same app)."""
     original = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -81,7 +81,7 @@ def extend_openapi(app: Any, settings: ServerSettings) -> None:
         properties = bregman_properties(settings)
         components = schema.get("components", {}).get("schemas", {})
         for path, item in schema.get("paths", {}).items():
-            if path not in HONOURED_ROUTES or "post" not in item:
+            if routes.targets.get(path, FORM) == FORM or "post" not in item:
                 continue
             body = item["post"].get("requestBody", {}).get("content", {})
             ref = body.get("application/json", {}).get("schema", {}).get("$ref", "")

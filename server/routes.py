@@ -1,12 +1,161 @@
-"""The routes whose requests take the Bregman fields."""
+"""The routes whose requests take the Bregman fields, read from the app that serves them.
+
+A route takes them when its request body becomes a `SamplingParams` the client controls.
+`honoured_routes` reads the route table of vLLM's FastAPI app (the middleware calls it once,
+on the first request, with ``scope["app"]``), so that a vLLM upgrade cannot add a route that
+silently skips the fields or the server defaults. For each POST route, the request model FastAPI
+validates the body with (each member of a union) decides, in this order:
+
+1. it declares ``vllm_xargs`` (vLLM copies it into ``SamplingParams.extra_args``): the fields
+   go into ``vllm_xargs`` (`VLLM_XARGS`): /v1/completions, /v1/chat/completions,
+   /v1/responses, /v1/messages and their /render routes;
+2. it declares a field of type ``vllm.sampling_params.SamplingParams``: into that field's
+   ``extra_args`` (/inference/v1/generate, token in, token out);
+3. it allows extra fields and converts itself into a model of kind 1 (a method annotated to
+   return one): into ``vllm_xargs``, which the conversion carries over
+   (/v1/chat/completions/batch: ``BatchChatCompletionRequest.to_chat_completion_request``).
+
+A route without a request model that reads its body itself and dispatches on its shape takes
+them when a request type it dispatches to does (`DISPATCHERS`: SageMaker's /invocations, from
+vLLM's own dispatch table). Routes with form bodies (audio transcription) carry ``vllm_xargs``
+as a JSON string that vLLM parses; the middleware does not rewrite forms (`FORM`).
+"""
 
 from __future__ import annotations
 
-#: Routes whose request model has ``vllm_xargs`` (vLLM 0.32): top-level Bregman fields and the
-#: server defaults are mapped into it. /invocations dispatches to the completion or chat handler
-#: by the body's shape; the /render routes show what these would send to the engine.
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
-                     "/invocations")
-HONOURED_ROUTES = frozenset(GENERATION_ROUTES) | frozenset(
-    route + "/render" for route in GENERATION_ROUTES if route.startswith("/v1/"))
-HONOURED_TEXT = ", ".join(f"POST {route}" for route in GENERATION_ROUTES)
+import logging
+import re
+import types
+import typing
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("bregman_server")
+
+#: Where a route's extra arguments live in its body.
+Target = tuple[str, ...]
+VLLM_XARGS: Target = ("vllm_xargs",)
+FORM: Target = ()
+_SAMPLING_PARAMS = "vllm.sampling_params.SamplingParams"
+
+
+def _generate_invocation_types() -> list[Any]:
+    """The request types vLLM's /invocations tries, in order, for a generating model."""
+    from vllm.entrypoints.generate.factories import get_generate_invocation_types
+
+    return [request_type for request_type, _ in get_generate_invocation_types(("generate",))]
+
+
+#: Routes that read their body themselves and dispatch on its shape: the request types they
+#: dispatch to (read from vLLM when the route exists).
+DISPATCHERS: dict[str, Callable[[], list[Any]]] = {"/invocations": _generate_invocation_types}
+
+
+@dataclass(frozen=True)
+class Routes:
+    """The honoured routes of one app: path (as the app writes it) -> `Target`."""
+
+    targets: dict[str, Target] = field(default_factory=dict)
+    _patterns: tuple[tuple[re.Pattern[str], str], ...] = ()
+
+    @classmethod
+    def of(cls, targets: dict[str, Target]) -> Routes:
+        patterns = tuple((re.compile("^" + re.sub(r"\{[^}]+\}", "[^/]+", path) + "$"), path)
+                         for path in targets if "{" in path)
+        return cls(dict(targets), patterns)
+
+    def match(self, path: str) -> str | None:
+        """The route (its template) that serves ``path`` if it takes the Bregman fields."""
+        if path in self.targets:
+            return path
+        for pattern, template in self._patterns:
+            if pattern.match(path):
+                return template
+        return None
+
+    @property
+    def text(self) -> str:
+        """The routes for messages: "POST /v1/completions, POST /v1/chat/completions, ..."."""
+        return ", ".join(f"POST {path}" for path, target in self.targets.items()
+                         if target != FORM) or "no route of this server"
+
+
+def honoured_routes(app: Any) -> Routes:
+    """The routes of ``app`` (a FastAPI app such as vLLM's) whose bodies become SamplingParams.
+
+    An app whose routes cannot be read (not FastAPI) has none: every Bregman field is then a
+    400, never silently dropped.
+    """
+    targets: dict[str, Target] = {}
+    for route in getattr(app, "routes", ()):
+        if "POST" not in (getattr(route, "methods", None) or ()):
+            continue
+        path = route.path
+        body_field = getattr(route, "body_field", None)
+        if body_field is not None:
+            members = _members(body_field.field_info.annotation)
+            if type(body_field.field_info).__name__ == "Form":
+                if any(_target(member) is not None for member in members):
+                    targets[path] = FORM
+                continue
+        elif path in DISPATCHERS:
+            try:
+                members = [m for t in DISPATCHERS[path]() for m in _members(t)]
+            except Exception:  # vLLM moved its dispatch table: the route takes no fields
+                logger.exception("cannot read the request types of %s", path)
+                continue
+        else:
+            continue
+        found = [t for t in map(_target, members) if t is not None]
+        if found:
+            targets.setdefault(path, found[0])
+    return Routes.of(targets)
+
+
+def _members(annotation: Any) -> list[type]:
+    """The classes a body annotation admits (``Annotated``, unions and ``None`` unwrapped)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _members(typing.get_args(annotation)[0])
+    if origin is typing.Union or origin is types.UnionType:
+        return [m for arg in typing.get_args(annotation) for m in _members(arg)]
+    return [annotation] if isinstance(annotation, type) and annotation is not type(None) else []
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _target(model: type, seen: frozenset[type] = frozenset()) -> Target | None:
+    """Where a request model's Bregman fields go (the rules of the module docstring), or None."""
+    fields = getattr(model, "model_fields", None)
+    if not isinstance(fields, dict) or model in seen:
+        return None
+    if "vllm_xargs" in fields:
+        return VLLM_XARGS
+    for name, info in fields.items():
+        if any(_name(member) == _SAMPLING_PARAMS for member in _members(info.annotation)):
+            return (name, "extra_args")
+    config = getattr(model, "model_config", {})
+    if config.get("extra") == "allow":
+        for converted in _conversions(model):
+            if _target(converted, seen | {model}) == VLLM_XARGS:
+                return VLLM_XARGS
+    return None
+
+
+def _conversions(model: type) -> Iterable[type]:
+    """Model classes that methods of ``model`` (its own, not pydantic's) say they return."""
+    for cls in model.__mro__:
+        if cls.__module__.startswith("pydantic") or cls is object:
+            continue
+        for value in vars(cls).values():
+            function = getattr(value, "__func__", value)
+            if not callable(function) or not getattr(function, "__annotations__", None):
+                continue
+            try:
+                returned = typing.get_type_hints(function).get("return")
+            except Exception:  # an annotation that does not resolve says nothing
+                continue
+            yield from _members(returned)

@@ -51,12 +51,16 @@ class ServerSettings(BaseSettings):
     max_header_bytes: int = Field(
         64 * KiB, ge=1024, description="Largest request head: request line and headers (431).")
     max_connections: int = Field(
-        1024, ge=1, description="Open client connections at most; more are answered 503 and "
-        "closed.")
+        1024, ge=1, description="Open client connections at most. When all are open, a new "
+        "one closes the connection that has waited longest (1 s at least) for its client to "
+        "send a request; with none such, it is answered 503 and closed.")
     header_timeout: float = Field(
         10.0, gt=0, description="Seconds a client may take to send a request head (408).")
     body_timeout: float = Field(
         30.0, gt=0, description="Longest silence while a client sends a request body (408).")
+    body_deadline: float = Field(
+        60.0, gt=0, description="Longest time a client may take to send a whole request body "
+        "(408), however steadily it trickles.")
     send_timeout: float = Field(
         60.0, gt=0, description="Longest time a client may leave a response unread before the "
         "connection is closed (slow readers).")

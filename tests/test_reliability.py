@@ -1,11 +1,14 @@
-"""The reliability suite: every finding of the hostile review of issue 11, as a regression test
-against real `bregman-serve` processes (vLLM in-process, the tiny model, loopback only), plus a
-property-based fuzz of every request field and a bounded load run.
+"""The reliability suite: every finding of the hostile reviews of issues 11 and 19, as a
+regression test against real `bregman-serve` processes (vLLM in-process, the tiny model,
+loopback only), plus property-based fuzzes (every request field; every way vLLM reads a body;
+every method on every route) and a bounded load run.
 
-Three servers start at once for the module: one that serves every test but the last two, one
-that is sent SIGTERM with requests in flight, and one whose engine process is killed. Every
-request loop is bounded in count and time. At the end the suite prints its figures (requests
-tried, 5xx answers, load held, faults survived, requests lost; tests/conftest.py prints them as
+Three servers start at once for the module: one that serves most tests; one with server-wide
+defaults (``--default-mode primal --default-top-k 2``) that serves the defaults tests and is then
+sent SIGTERM with requests in flight; and one whose engine process is killed. Every request loop
+is bounded in count and time. At the end the suite prints its figures (requests tried, 5xx
+answers, errors not in OpenAI's shape, load held, trickling connections and the well-behaved
+clients served meanwhile, faults survived, requests lost; tests/conftest.py prints them as
 ``reliability figures: {...}``): docs/server.md records them.
 
 Run it alone with ``pytest -m reliability``.
@@ -15,7 +18,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import gzip
 import json
+import math
 import os
 import secrets
 import signal
@@ -31,8 +36,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from .test_server_support import (
+    BODY_ENCODINGS,
+    REVIEWED_UNTYPED_POSTS,
     ServerProcess,
     alive,
+    encode_body,
     finite_top_logprobs,
     require_tiny_model,
     shut_down,
@@ -45,13 +53,20 @@ PROMPT = "ROMEO:\n"
 KEY = secrets.token_hex(8)
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # Short deadlines, so that the tests of them are quick; long enough for a loaded 2-core machine.
-LIMITS = ["--header-timeout", "3", "--body-timeout", "5", "--max-header-bytes", "16384",
-          "--max-connections", "256", "--graceful-timeout", "1", "--engine-exit-grace", "1"]
+LIMITS = ["--header-timeout", "3", "--body-timeout", "5", "--body-deadline", "30",
+          "--max-header-bytes", "16384", "--max-connections", "256", "--graceful-timeout", "1",
+          "--engine-exit-grace", "1"]
+DEFAULTS = ["--default-mode", "primal", "--default-top-k", "2"]
+# The fault tests need requests still running after SIGTERM + grace: 2000 steps of the tiny
+# model (4.8 s at load 7 on 2 cores) once ended before that on a quieter machine, so they get
+# 8000 (a longer context; the tiny model's KV cache is 1 KiB a token).
 ENGINE = ["--logprobs-mode", "processed_logprobs", "--max-num-seqs", "32", "--enforce-eager",
-          "--max-model-len", "2048"]
+          "--max-model-len", "8192"]
+LONG_TOKENS = 8000
 
-FIGURES: dict[str, Any] = {"requests": 0, "5xx": 0, "load_requests": 0, "load_ok": 0,
-                           "faults_survived": [], "lost": 0}
+FIGURES: dict[str, Any] = {"requests": 0, "5xx": 0, "not_openai_shaped": 0,
+                           "load_requests": 0, "load_ok": 0, "trickling_connections": 0,
+                           "served_while_trickling": "", "faults_survived": [], "lost": 0}
 
 
 class Servers:
@@ -62,13 +77,19 @@ class Servers:
     def url(self) -> str:
         return self.main.url
 
+    @property
+    def with_defaults(self) -> ServerProcess:
+        """The server with server-wide defaults (the SIGTERM test ends it, last)."""
+        return self.draining
+
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     require_tiny_model()
     logs = tmp_path_factory.mktemp("reliability-logs")
-    made = [ServerProcess(["--model", MODEL, "--api-key", KEY, *LIMITS, *ENGINE],
-                          logs / f"{name}.log") for name in ("main", "draining", "dying")]
+    made = [ServerProcess(["--model", MODEL, "--api-key", KEY, *LIMITS, *ENGINE, *extra],
+                          logs / f"{name}.log")
+            for name, extra in (("main", []), ("draining", DEFAULTS), ("dying", []))]
     try:
         for server in made:
             server.start()
@@ -82,21 +103,48 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
                 shut_down(server, expect_code=None)
 
 
-def post(url: str, body: Any, path: str = "/v1/completions", **kwargs: Any) -> httpx.Response:
-    kwargs.setdefault("headers", AUTH)
-    kwargs.setdefault("timeout", 60)
-    response = httpx.post(url + path, json=body, **kwargs)
+def count(response: httpx.Response) -> httpx.Response:
+    """Count one answer in the figures: a 5xx, an error not in OpenAI's shape."""
     FIGURES["requests"] += 1
     FIGURES["5xx"] += response.status_code >= 500
+    FIGURES["not_openai_shaped"] += response.status_code >= 400 and not openai_shaped(response)
     return response
 
 
-def assert_openai_400(response: httpx.Response, param: str | None) -> None:
-    assert response.status_code == 400, response.text
+def openai_shaped(response: httpx.Response) -> bool:
+    if response.request.method == "HEAD":
+        return True  # no body to shape
+    try:
+        error = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return isinstance(error, dict) and {"message", "type", "param", "code"} <= set(error)
+
+
+def post(url: str, body: Any, path: str = "/v1/completions", **kwargs: Any) -> httpx.Response:
+    kwargs.setdefault("headers", AUTH)
+    kwargs.setdefault("timeout", 60)
+    return count(httpx.post(url + path, json=body, **kwargs))
+
+
+def post_raw(url: str, path: str, raw: bytes, headers: dict[str, str] | None = None,
+             ) -> httpx.Response:
+    headers = {**AUTH, "content-type": "application/json", **(headers or {})}
+    return count(httpx.post(url + path, content=raw, headers=headers, timeout=60))
+
+
+def assert_openai_error(response: httpx.Response, param: str | None, status: int = 400
+                        ) -> dict[str, Any]:
+    assert response.status_code == status, response.text
     error = response.json()["error"]
     assert {"message", "type", "param", "code"} <= set(error)
     assert error["param"] == param, error
     assert "Traceback" not in response.text
+    return error
+
+
+def assert_openai_400(response: httpx.Response, param: str | None) -> None:
+    assert_openai_error(response, param)
 
 
 # --- finding 1: no unguarded route, no second port ----------------------------------------------
@@ -231,6 +279,288 @@ def test_bodies_vllm_parses_itself_are_400s(servers: Servers, raw: bytes) -> Non
     assert 400 <= response.status_code < 500, response.text
 
 
+# --- issue 19, finding 1: the middleware reads every body as vLLM reads it ----------------------
+
+FINDING_1 = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "logprobs": 5}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Once upon a time"}],
+        "max_tokens": 4, "logprobs": True, "top_logprobs": 5}
+
+
+def finite_per_step(choice: dict[str, Any]) -> list[int]:
+    """Finite top logprobs at each generated position of one choice (completion or chat)."""
+    logprobs = choice["logprobs"]
+    if "top_logprobs" in logprobs:
+        return [finite_top_logprobs(entry) for entry in logprobs["top_logprobs"]]
+    return [finite_top_logprobs(entry["top_logprobs"]) for entry in logprobs["content"]]
+
+
+def written(body: dict[str, Any], how: str) -> bytes:
+    if how == "escaped":  # the finding's own spelling
+        return (json.dumps(body)[:-1] + ', "\\u0062regman_top_k": 2}').encode()
+    return json.dumps({**body, "bregman_top_k": 2}).encode(how)
+
+
+@pytest.mark.parametrize("how", ["escaped", "utf-16", "utf-32", "utf-16-be"])
+def test_bregman_fields_are_read_in_every_spelling_and_encoding(servers: Servers, how: str
+                                                                ) -> None:
+    """The finding's request (5-6 finite logprobs per step before: plain sampling) decodes with
+    bregman_top_k=2 on completions and chat, however written; /tokenize refuses the field."""
+    for path, body in (("/v1/completions", FINDING_1), ("/v1/chat/completions", CHAT)):
+        response = post_raw(servers.url, path, written(body, how))
+        assert response.status_code == 200, response.text
+        steps = finite_per_step(response.json()["choices"][0])
+        assert steps and set(steps) == {2}, (path, how, steps)
+    tokenize = post_raw(servers.url, "/tokenize",
+                        written({"model": MODEL, "prompt": "Once upon a time"}, how))
+    assert "not supported on POST /tokenize" in assert_openai_error(tokenize,
+                                                                    "bregman_top_k")["message"]
+
+
+@pytest.mark.parametrize(("field", "param"), [('"logit_bias": {"42": NaN}', "logit_bias.42"),
+                                              ('"length_penalty": NaN', "length_penalty")])
+@pytest.mark.parametrize("codec", ["utf-8", "utf-16", "utf-32-le"])
+def test_nan_is_refused_in_every_encoding(servers: Servers, field: str, param: str,
+                                          codec: str) -> None:
+    raw = f'{{"model": "{MODEL}", "prompt": "x", "max_tokens": 2, {field}}}'.encode(codec)
+    assert_openai_error(post_raw(servers.url, "/v1/completions", raw), param)
+
+
+# --- issue 19, finding 2: the key on /metrics ----------------------------------------------------
+
+@pytest.mark.parametrize("path", ["/metrics", "/metrics/", "/metrics/foo"])
+def test_a_fake_cors_preflight_does_not_skip_the_key(servers: Servers, path: str) -> None:
+    """OPTIONS with Access-Control-Request-Method but no Origin is no preflight to Starlette:
+    it needs the key (it answered the whole Prometheus text before). A real preflight is
+    answered by vLLM's CORS layer (which allows no origin by default), never by /metrics."""
+    fake = count(httpx.options(servers.url + path, timeout=60,
+                               headers={"Access-Control-Request-Method": "GET"}))
+    assert fake.status_code == 401 and "vllm:" not in fake.text
+    real = count(httpx.options(servers.url + path, timeout=60, headers={
+        "Origin": "https://example.com", "Access-Control-Request-Method": "GET"}))
+    assert real.status_code == 400 and "vllm:" not in real.text
+    assert openai_shaped(real), real.text
+
+
+# --- issue 19, finding 3: slow bodies --------------------------------------------------------
+
+def test_trickling_bodies_cannot_lock_new_clients_out(servers: Servers) -> None:
+    """300 connections (the cap is 256) that send a head, then a body byte every 2 s (the
+    finding: 1030 at a cap of 1024, a byte every 5 s; every new client got 503 for as long as
+    they lasted): 24 new well-behaved completions, 4 at a time, are all served meanwhile."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
+    tricklers: list[socket.socket] = []
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(2.0):
+            for sock in tricklers:
+                with contextlib.suppress(OSError):
+                    sock.send(b" ")
+
+    thread = threading.Thread(target=trickle)
+    try:
+        for _ in range(300):
+            with contextlib.suppress(OSError):
+                sock = socket.create_connection(_host_port(servers.url), timeout=5)
+                tricklers.append(sock)
+                sock.sendall(head)
+        thread.start()
+        time.sleep(2.0)  # every slot is held by a trickler that has waited long enough
+
+        def one(_: int) -> int:
+            return post(servers.url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+                        ).status_code
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            statuses = list(pool.map(one, range(24)))
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join()
+        for sock in tricklers:
+            sock.close()
+    FIGURES["trickling_connections"] += len(tricklers)
+    FIGURES["served_while_trickling"] = f"{statuses.count(200)} of {len(statuses)}"
+    assert statuses.count(200) == 24, statuses
+    assert httpx.get(servers.url + "/health", timeout=60).status_code == 200
+    FIGURES["faults_survived"].append(f"{len(tricklers)} trickling bodies")
+
+
+# --- issue 19, finding 4: the routes that take the fields are vLLM's own --------------------------
+
+def test_server_defaults_reach_the_batch_route(servers: Servers) -> None:
+    """--default-mode primal --default-top-k 2: /v1/chat/completions/batch decodes with 2
+    tokens per step like /v1/chat/completions (5 finite logprobs per step before)."""
+    url = servers.with_defaults.url
+    single = post(url, CHAT, "/v1/chat/completions")
+    assert single.status_code == 200, single.text
+    assert set(finite_per_step(single.json()["choices"][0])) == {2}
+    batch = post(url, {**CHAT, "messages": [CHAT["messages"]] * 2}, "/v1/chat/completions/batch")
+    assert batch.status_code == 200, batch.text
+    choices = batch.json()["choices"]
+    assert len(choices) == 2
+    for choice in choices:
+        assert set(finite_per_step(choice)) == {2}, choice["logprobs"]
+
+
+def _properties(schema: dict[str, Any], node: dict[str, Any]) -> set[str]:
+    """Property names a request schema admits ($ref, anyOf / oneOf / allOf followed)."""
+    if "$ref" in node:
+        node = schema["components"]["schemas"][node["$ref"].rsplit("/", 1)[-1]]
+    names = set(node.get("properties", {}))
+    for key in ("anyOf", "oneOf", "allOf"):
+        for member in node.get(key, []):
+            names |= _properties(schema, member)
+    return names
+
+
+def test_every_route_whose_body_has_vllm_xargs_takes_the_fields(servers: Servers) -> None:
+    """Read from the live app's OpenAPI document: each POST route whose request model has
+    vllm_xargs validates a top-level Bregman field (a 400 about its value, not "not supported"),
+    and so do the batch route (no vllm_xargs of its own; it carries it over) and /invocations."""
+    schema = httpx.get(servers.url + "/openapi.json", headers=AUTH, timeout=60).json()
+    with_xargs, untyped = [], []
+    for path, item in schema["paths"].items():
+        post_op = item.get("post")
+        if post_op is None:
+            continue
+        body = post_op.get("requestBody", {}).get("content", {}).get("application/json")
+        if body is None:
+            untyped.append(path)
+        elif "vllm_xargs" in _properties(schema, body["schema"]):
+            with_xargs.append(path)
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses",
+            "/v1/messages"} <= set(with_xargs)
+    assert set(untyped) <= REVIEWED_UNTYPED_POSTS, set(untyped) - REVIEWED_UNTYPED_POSTS
+    for path in [*with_xargs, "/v1/chat/completions/batch", "/invocations"]:
+        response = post(servers.url, {"bregman_mode": "bogus"}, path)
+        error = assert_openai_error(response, "bregman_mode")
+        assert "not supported" not in error["message"], (path, error)
+
+
+# --- issue 19, finding 5: every error in OpenAI's shape -------------------------------------------
+
+ERRORS = [("GET", "/nonexistent", None, {}, 404), ("GET", "/v1/completions", None, {}, 405),
+          ("POST", "/health", None, {}, 405),
+          ("POST", "/v1/completions", b'{"model": "m", "prompt": "\xff\xfe\xfd"}', {}, 400),
+          ("POST", "/v1/completions", gzip.compress(json.dumps(FINDING_1).encode()),
+           {"Content-Encoding": "gzip"}, 415),
+          ("POST", "/v1/completions", b'{"prompt": ' + b"[" * 1500 + b"]" * 1500 + b"}", {}, 400),
+          ("POST", "/tokenize", b"[" * 1500 + b"]" * 1500, {}, 400)]
+
+
+@pytest.mark.parametrize(("method", "path", "raw", "headers", "status"), ERRORS)
+def test_vllms_own_errors_are_in_openai_shape(servers: Servers, method: str, path: str,
+                                              raw: bytes | None, headers: dict[str, str],
+                                              status: int) -> None:
+    """vLLM answered these {"detail": ...} (15 of 291 hostile requests)."""
+    response = count(httpx.request(method, servers.url + path, content=raw, timeout=60,
+                                   headers={**AUTH, "Content-Type": "application/json",
+                                            **headers}))
+    assert response.status_code == status, response.text
+    assert openai_shaped(response) and "detail" not in response.json(), response.text
+
+
+# --- the fuzz: every way vLLM reads a body --------------------------------------------------------
+
+ENCODED_VALUES = st.sampled_from([2, 1, 0, 1.5, "dual", "bogus", "inf", None, math.nan,
+                                  math.inf, {"42": math.nan}, {"42": 1.0}, 10**30])
+
+
+@st.composite
+def encoded_requests(draw: Any) -> tuple[str, dict[str, Any], str]:
+    path = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize"]))
+    if path == "/tokenize":
+        body: dict[str, Any] = {"model": MODEL, "prompt": PROMPT}
+    elif path == "/v1/chat/completions":
+        body = {**CHAT, "max_tokens": 3, "top_logprobs": 3, "seed": 11}
+    else:
+        body = {**FINDING_1, "max_tokens": 3, "logprobs": 3, "seed": 11}
+    fields = draw(st.dictionaries(st.sampled_from(
+        [*BREGMAN_FIELDS, "length_penalty", "logit_bias"]), ENCODED_VALUES, max_size=3))
+    if draw(st.booleans()):
+        fields = {"vllm_xargs": fields}
+    return path, {**body, **fields}, draw(st.sampled_from(BODY_ENCODINGS))
+
+
+def _outcome(response: httpx.Response, path: str) -> tuple[Any, ...]:
+    if response.status_code >= 400:
+        return response.status_code, response.json()["error"]["param"]
+    if path == "/tokenize":
+        return response.status_code, response.json()["tokens"]
+    choice = response.json()["choices"][0]
+    return response.status_code, finite_per_step(choice), choice.get("text", choice.get(
+        "message", {}).get("content"))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=encoded_requests())
+def test_fuzz_every_encoding_decodes_like_plain_utf8(servers: Servers,
+                                                     case: tuple[str, dict[str, Any], str]
+                                                     ) -> None:
+    """A body written any way vLLM's json.loads reads it (escaped keys, UTF-16/32 with or
+    without BOM, a UTF-8 BOM, duplicate keys) gets exactly the answer of its plain UTF-8 form,
+    down to the tokens of a seeded generation; a gzip body is a 415."""
+    path, body, how = case
+    raw, headers = encode_body(body, how)
+    response = post_raw(servers.url, path, raw, headers)
+    assert response.status_code < 500 and (response.status_code < 400
+                                            or openai_shaped(response)), response.text
+    if how == "gzip":
+        assert response.status_code == 415
+        return
+    plain, plain_headers = encode_body(body, "utf-8")
+    expected = post_raw(servers.url, path, plain, plain_headers)
+    assert _outcome(response, path) == _outcome(expected, path), (how, body)
+
+
+# --- the fuzz: every method on every route ----------------------------------------------------
+
+_ROUTES: list[str] = []
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
+
+
+def _every_route(url: str) -> list[str]:
+    if not _ROUTES:
+        schema = httpx.get(url + "/openapi.json", headers=AUTH, timeout=60).json()
+        paths = [path.replace("{", "").replace("}", "") for path in schema["paths"]]
+        _ROUTES.extend(sorted({*paths, "/metrics", "/metrics/", "/metrics/foo", "/nonexistent",
+                               "/health", "/v1/completions/", "/openapi.json", "/docs"}))
+    return _ROUTES
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzz_every_method_on_every_route(servers: Servers, data: Any) -> None:
+    """Never a 5xx; every error in OpenAI's shape; without the key a 401 on every route but
+    /health, unless it is a real CORS preflight, which vLLM's CORS layer answers."""
+    path = data.draw(st.sampled_from(_every_route(servers.url)))
+    method = data.draw(st.sampled_from(METHODS))
+    keyed, origin, request_method = (data.draw(st.booleans()) for _ in range(3))
+    headers = {**(AUTH if keyed else {}),
+               **({"Origin": "https://example.com"} if origin else {}),
+               **({"Access-Control-Request-Method": "POST"} if request_method else {})}
+    kind = data.draw(st.sampled_from(["none", "completion", "garbage", "utf-16 bregman"]))
+    raw = {"none": None, "garbage": b"\x00\xff{[",
+           "completion": json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 1}).encode(),
+           "utf-16 bregman": json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 1,
+                                         "bregman_top_k": 2}).encode("utf-16")}[kind]
+    if raw is not None:
+        headers["Content-Type"] = "application/json"
+    response = count(httpx.request(method, servers.url + path, content=raw, headers=headers,
+                                   timeout=60))
+    assert response.status_code < 500, (method, path, response.text)
+    assert response.status_code < 400 or openai_shaped(response), (method, path, response.text)
+    preflight = method == "OPTIONS" and origin and request_method
+    if preflight:
+        assert response.status_code == 400 and "vllm:" not in response.text  # no origin allowed
+    elif not keyed and path != "/health":
+        assert response.status_code == 401, (method, path, response.status_code)
+
+
 # --- the fuzz: every request field --------------------------------------------------------------
 
 JSON_SCALARS = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
@@ -321,7 +651,8 @@ def test_load_240_requests_at_concurrency_32(servers: Servers) -> None:
 def _in_flight(url: str) -> tuple[threading.Thread, threading.Thread, dict[str, Any]]:
     """A long stream and a long non-streaming request, running."""
     results: dict[str, Any] = {}
-    long = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "n": 4}
+    long = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG_TOKENS, "ignore_eos": True,
+            "n": 4}
 
     def stream() -> None:
         with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True},
@@ -360,7 +691,7 @@ def _assert_ended_in_openai_shape(results: dict[str, Any], code: str) -> None:
 def test_sigterm_drains_then_ends_open_requests(servers: Servers) -> None:
     server = servers.draining
     stream, waiting, results = _in_flight(server.url)
-    time.sleep(1.5)  # both are being generated (2000 tokens x 4 take far longer than 1 s grace)
+    time.sleep(1.5)  # both are being generated (8000 steps take far longer than the 1 s grace)
     server.remember_descendants()
     os.kill(server.pid, signal.SIGTERM)
     stream.join(60)

@@ -16,8 +16,11 @@ Bregman fields reached the processor.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
+import types
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,13 +28,21 @@ import httpx
 import openai
 import pytest
 
+from .test_engine_metrics import DASHBOARD, dashboard_queries, promql_metric_names
 from .test_server_support import (
+    REVIEWED_UNTYPED_POSTS,
     ServerProcess,
+    check_engine_metrics_add_up,
+    complete_all,
+    engine_counts,
     finite_top_logprobs,
     prometheus_value,
     require_tiny_model,
+    scrape,
     server_environment,
+    settled_counts,
     shut_down,
+    wait_for_no_running_request,
 )
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(600)]
@@ -164,6 +175,53 @@ def _speaks_http(port: int) -> bool:
             return sock.recv(16).startswith(b"HTTP/")
     except OSError:
         return False
+
+
+# --- the routes that take the fields, read from vLLM's own app (issue 19, finding 4) -----------
+
+def _classes(annotation: Any) -> list[type]:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType, typing.Annotated):
+        return [c for arg in typing.get_args(annotation) for c in _classes(arg)]
+    return [annotation] if isinstance(annotation, type) else []
+
+
+@pytest.mark.parametrize("flags", [[], ["--enable-scale-out"]])
+def test_honoured_routes_are_every_vllm_route_whose_body_becomes_sampling_params(
+        flags: list[str]) -> None:
+    """vLLM's app as ``vllm serve`` builds it (no engine needed): every POST route whose
+    request model declares vllm_xargs takes the Bregman fields there; so do the batch route
+    (its model converts into ChatCompletionRequest, carrying vllm_xargs over) and /invocations;
+    a SamplingParams field takes them into its extra_args; every POST route without a request
+    model has been read (REVIEWED_UNTYPED_POSTS)."""
+    from bregman_server.routes import VLLM_XARGS, honoured_routes
+    from fastapi.routing import APIRoute
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", MODEL, *flags])
+    app = build_app(args, ("generate",), None)
+    targets = honoured_routes(app).targets
+    with_xargs = set()
+    for route in app.routes:
+        if not isinstance(route, APIRoute) or "POST" not in route.methods:
+            continue
+        if route.body_field is None:
+            assert route.path in REVIEWED_UNTYPED_POSTS, route.path
+            continue
+        models = _classes(route.body_field.field_info.annotation)
+        if any("vllm_xargs" in getattr(model, "model_fields", {}) for model in models):
+            with_xargs.add(route.path)
+            assert targets.get(route.path) == VLLM_XARGS, route.path
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses",
+            "/v1/messages"} <= with_xargs
+    assert targets["/v1/chat/completions/batch"] == VLLM_XARGS
+    assert targets["/invocations"] == VLLM_XARGS
+    expected = set(with_xargs) | {"/v1/chat/completions/batch", "/invocations"}
+    if flags:
+        assert targets["/inference/v1/generate"] == ("sampling_params", "extra_args")
+        expected.add("/inference/v1/generate")
+    assert set(targets) == expected  # and nothing else: scoring routes sample nothing
 
 
 # --- the openai SDK -----------------------------------------------------------------------------
@@ -340,6 +398,61 @@ def test_metrics_show_vllm_the_server_and_the_processor_together(live: Live) -> 
                             mode="primal", status="200") >= 1
     # Written by the engine process (zero here, but collected with the rest).
     assert prometheus_value(text, "bregman_processor_failures_total", interface="v1") == 0
+
+
+# --- the engine's Bregman metrics: k*, exact path, failures ----------------------------------
+
+def test_k_star_histogram_counts_every_bregman_token(live: Live) -> None:
+    """bregman-serve: the engine process writes to the PROMETHEUS_MULTIPROC_DIR vLLM's
+    /metrics collects."""
+    check_engine_metrics_add_up(live.url, MODEL, live.auth)
+
+
+def test_plain_vllm_shows_the_engine_metrics(live: Live) -> None:
+    """Plain vLLM with the README's ``--middleware`` recipe (one API server, no
+    PROMETHEUS_MULTIPROC_DIR): the engine process's metrics reach its /metrics too. Its
+    server-wide defaults (primal, top-3) make every request Bregman-decoded unless it says
+    ``bregman_mode: off``."""
+    check_engine_metrics_add_up(live.plain.url, MODEL, live.auth, off={"bregman_mode": "off"})
+
+
+def test_exact_path_counter_moves_when_a_request_forces_it(live: Live) -> None:
+    tokens = 5
+    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": tokens, "ignore_eos": True}
+    wait_for_no_running_request(live.url, live.auth)
+    before = engine_counts(scrape(live.url, live.auth))
+    # Dual alpha = 2.5 has no fixed-shape formula (core/families.py): every token of the
+    # request goes through the exact path.
+    complete_all(live.url, live.auth, [{**base, "temperature": 1.0, "bregman_mode": "dual",
+                                        "bregman_alpha": 2.5, "bregman_lambda": 0.01}])
+    family = settled_counts(live.url, live.auth,
+                            lambda c: c["family"] - before["family"] >= tokens)
+    assert family["family"] - before["family"] == tokens
+    assert family["uncertified"] == before["uncertified"]
+    assert family["dual"] - before["dual"] == tokens
+    # A tiny lambda on a flat distribution: k* lies past the fixed-shape step's window, which
+    # hands the row to the exact path.
+    complete_all(live.url, live.auth, [{**base, "temperature": 2.0, "bregman_alpha": 1.5,
+                                        "bregman_lambda": 1e-9}])
+    after = settled_counts(live.url, live.auth,
+                           lambda c: c["primal"] - family["primal"] >= tokens)
+    assert 1 <= after["uncertified"] - family["uncertified"] <= tokens
+    assert after["family"] == family["family"]
+    assert after["primal"] - family["primal"] == tokens
+    assert after["failures"] == before["failures"]
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["bregman-serve", "plain-vllm"])
+def test_dashboard_queries_name_only_metrics_a_live_scrape_shows(live: Live, plain: bool
+                                                                  ) -> None:
+    server = live.plain if plain else live.server
+    complete_all(server.url, live.auth, [{"model": MODEL, "prompt": PROMPT, "max_tokens": 2,
+                                          "temperature": 1.0, "bregman_alpha": 1.5}])
+    text = scrape(server.url, live.auth)
+    shown = set(re.findall(r"^([a-zA-Z_:][\w:]*)[{ ]", text, re.M))
+    named = set().union(*(promql_metric_names(expr) for expr in dashboard_queries(
+        json.loads(DASHBOARD.read_text()))))
+    assert named and named <= shown, named - shown
 
 
 # --- plain vLLM with the middleware ------------------------------------------------------------

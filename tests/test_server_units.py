@@ -3,15 +3,18 @@ connections, the command line, settings and errors.
 
 No vLLM here (tests/test_server.py and tests/test_reliability.py run real engines). The
 middleware and the bounded h11 protocol run for real: uvicorn serves, on a loopback port, a small
-Starlette app that stands in for vLLM's (it echoes the body it receives, streams on request and
-can hang), wrapped in `BregmanMiddleware` exactly as vLLM's app is.
+FastAPI app that stands in for vLLM's (POST routes validate request models as vLLM's do; it
+echoes the body it receives, streams on request and can hang), wrapped in `BregmanMiddleware`
+exactly as vLLM's app is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -26,17 +29,22 @@ import httpx
 import pytest
 from bregman_server.bregman import apply_bregman
 from bregman_server.cli import parse_args
-from bregman_server.limits import uvicorn_config
+from bregman_server.jsonbody import MAX_DEPTH, must_parse
 from bregman_server.lifecycle import Lifecycle
+from bregman_server.limits import uvicorn_config
 from bregman_server.middleware import BregmanMiddleware
 from bregman_server.serving import http_server
 from bregman_server.settings import ServerSettings
-from starlette.applications import Starlette
+from fastapi import FastAPI
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
 
 from bregman_vllm.params import FIELD_SPECS, BregmanParamError, BregmanParams
+
+from .test_server_support import BODY_ENCODINGS, encode_body
 
 ROOT = Path(__file__).resolve().parent.parent
 OFF = BregmanParams(mode="off").validated()
@@ -52,6 +60,7 @@ def test_server_never_imports_torch_or_vllm_until_it_serves() -> None:
         import sys
         import bregman_server, bregman_server.cli, bregman_server.engine, bregman_server.limits
         import bregman_server.middleware, bregman_server.lifecycle, bregman_server.openapi
+        import bregman_server.routes, bregman_server.jsonbody
         from bregman_server.cli import parse_args
         parse_args(["--model", "m"])
         heavy = sorted(m for m in sys.modules
@@ -68,6 +77,29 @@ def test_server_never_imports_torch_or_vllm_until_it_serves() -> None:
 
 
 # --- a stand-in for vLLM's app, behind the real middleware and uvicorn -------------------------
+
+class Generation(BaseModel):
+    """Like vLLM's CompletionRequest / ChatCompletionRequest: extra fields allowed, vllm_xargs."""
+
+    model_config = ConfigDict(extra="allow")
+    vllm_xargs: dict[str, Any] | None = None
+
+
+class BatchGeneration(BaseModel):
+    """Like vLLM's BatchChatCompletionRequest: no vllm_xargs of its own, but it converts itself
+    into a Generation with its extra fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def to_generation(self) -> Generation:
+        return Generation.model_validate(self.model_dump())
+
+
+class Other(BaseModel):
+    """Like vLLM's TokenizeRequest: no sampling."""
+
+    model_config = ConfigDict(extra="allow")
+
 
 async def _echo(request: Request) -> Response:
     raw = await request.body()
@@ -87,30 +119,49 @@ async def _echo(request: Request) -> Response:
                                ensure_ascii=True), media_type="application/json")
 
 
-async def _plain(request: Request) -> Response:
+async def _generation(request: Request, body: Generation) -> Response:
+    return await _echo(request)
+
+
+async def _batch(request: Request, body: BatchGeneration) -> Response:
+    return await _echo(request)
+
+
+async def _other(request: Request, body: Other) -> Response:
+    return await _echo(request)
+
+
+async def _plain() -> Response:
     return Response("ok")
 
 
-STUB_ROUTES = ["/v1/completions", "/v1/chat/completions", "/invocations", "/v1/responses",
-               "/v1/messages", "/tokenize", "/pooling"]
+GENERATION_ROUTES = ["/v1/completions", "/v1/chat/completions", "/invocations", "/v1/responses",
+                     "/v1/messages"]
+STUB_ROUTES = [*GENERATION_ROUTES, "/v1/chat/completions/batch", "/tokenize", "/pooling"]
 
 
-def stub_app() -> Starlette:
-    routes = [Route(path, _echo, methods=["POST"]) for path in STUB_ROUTES]
-    routes += [Route(path, _plain, methods=["GET"])
-               for path in ("/health", "/metrics", "/load", "/openapi.json", "/v1/models",
-                            "/docs", "/version")]
-    return Starlette(routes=routes)
+def stub_app() -> FastAPI:
+    """vLLM's shape: a FastAPI app whose POST routes validate request models."""
+    app = FastAPI()
+    for path in GENERATION_ROUTES:
+        app.add_api_route(path, _generation, methods=["POST"])
+    app.add_api_route("/v1/chat/completions/batch", _batch, methods=["POST"])
+    for path in ("/tokenize", "/pooling"):
+        app.add_api_route(path, _other, methods=["POST"])
+    for path in ("/health", "/metrics", "/load", "/v1/models", "/version"):
+        app.add_api_route(path, _plain, methods=["GET"])
+    return app
 
 
 class Served:
     """uvicorn serving the stub behind `BregmanMiddleware` in a thread, on a loopback port."""
 
-    def __init__(self, **overrides: Any) -> None:
+    def __init__(self, inner: FastAPI | None = None, **overrides: Any) -> None:
         overrides.setdefault("api_key", KEY)
         self.settings = ServerSettings(host="127.0.0.1", port=_free_port(), **overrides)
         self.lifecycle = Lifecycle()
-        app = BregmanMiddleware(stub_app(), settings=self.settings, lifecycle=self.lifecycle)
+        app = BregmanMiddleware(inner or stub_app(), settings=self.settings,
+                                lifecycle=self.lifecycle)
         # The servers' own uvicorn, without signal handlers (it runs in a thread here).
         self.server = http_server(uvicorn_config(app, self.settings, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -283,6 +334,178 @@ def test_server_defaults_apply_to_requests_that_do_not_say() -> None:
         assert "vllm_xargs" not in off.json()["received"]
 
 
+# --- bodies read as vLLM reads them (issue 19, finding 1) ---------------------------------------
+
+FINDING_1 = {"model": "m", "prompt": "Once upon a time", "max_tokens": 4, "logprobs": 5,
+             "bregman_top_k": 2}
+READABLE = [how for how in BODY_ENCODINGS if how != "gzip"]
+
+
+def post_raw(server: Served, path: str, raw: bytes, headers: dict[str, str]) -> httpx.Response:
+    return httpx.post(server.url + path, content=raw, headers={**AUTH, **headers}, timeout=30)
+
+
+@pytest.mark.parametrize("how", READABLE)
+def test_every_body_vllm_reads_is_read_the_same(served: Served, how: str) -> None:
+    """The finding's request (its key escaped as ``\\u0062regman_top_k``, the body in UTF-16 /
+    UTF-32 with and without BOM, keys written twice ...) reaches the app mapped, exactly as the
+    plain UTF-8 body does; NaN is refused and /tokenize refuses the field in every encoding."""
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch"):
+        raw, headers = encode_body(FINDING_1, how)
+        response = post_raw(served, path, raw, headers)
+        assert response.status_code == 200, (how, response.text)
+        assert response.json()["received"]["vllm_xargs"]["bregman_top_k"] == 2, how
+    for fields, param in (({"logit_bias": {"42": math.nan}}, "logit_bias.42"),
+                          ({"length_penalty": math.nan}, "length_penalty"),
+                          ({"temperature": math.inf}, "temperature")):
+        raw, headers = encode_body({"prompt": "x", **fields}, how)
+        assert_openai_error(post_raw(served, "/v1/completions", raw, headers), 400, param)
+    raw, headers = encode_body(FINDING_1, how)
+    error = assert_openai_error(post_raw(served, "/tokenize", raw, headers), 400,
+                                "bregman_top_k")
+    assert "not supported on POST /tokenize" in error["message"]
+
+
+def test_compressed_bodies_are_refused_not_passed_on(served: Served) -> None:
+    raw, headers = encode_body(FINDING_1, "gzip")
+    error = assert_openai_error(post_raw(served, "/v1/completions", raw, headers), 415)
+    assert error["code"] == "unsupported_content_encoding"
+
+
+def test_duplicate_keys_are_validated_as_vllm_reads_them(served: Served) -> None:
+    """The last of duplicate keys wins, in vLLM and in the middleware."""
+    later_bad = b'{"prompt": "x", "bregman_top_k": 2, "bregman_top_k": 0}'
+    later_good = b'{"prompt": "x", "bregman_top_k": 0, "bregman_top_k": 2}'
+    headers = {"content-type": "application/json"}
+    assert_openai_error(post_raw(served, "/v1/completions", later_bad, headers), 400,
+                        "bregman_top_k")
+    received = post_raw(served, "/v1/completions", later_good, headers).json()["received"]
+    assert received["vllm_xargs"]["bregman_top_k"] == 2
+
+
+def test_json_media_types_are_read_as_fastapi_reads_them(served: Served) -> None:
+    raw = json.dumps(FINDING_1).encode("utf-16")
+    for content_type in ("application/json; charset=utf-16", "Application/JSON",
+                         "application/vnd.example+json", "application/json ; x=1"):
+        response = post_raw(served, "/v1/completions", raw, {"content-type": content_type})
+        assert response.json()["received"]["vllm_xargs"]["bregman_top_k"] == 2, content_type
+    # A type FastAPI does not read as JSON: the app refuses the body itself, never a silent 200.
+    plain = post_raw(served, "/v1/completions", raw, {"content-type": "text/plain"})
+    assert plain.status_code >= 400 and "error" in plain.json()
+
+
+@pytest.mark.parametrize("depth", [255, 257, 1500])
+def test_nesting_is_bounded(served: Served, depth: int) -> None:
+    raw = b'{"prompt": "x", "a": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+    response = post_raw(served, "/v1/completions", raw, {"content-type": "application/json"})
+    if depth <= MAX_DEPTH:
+        assert response.status_code == 200, response.text
+    else:
+        assert "nested too deeply" in assert_openai_error(response, 400)["message"]
+
+
+# The fuzz: any body, written any way vLLM reads it, has the outcome of its plain UTF-8 form.
+
+FUZZ_KEYS = ["bregman_mode", "bregman_alpha", "bregman_lambda", "bregman_top_k",
+             "bregman_k_max", "bregman_topk", "temperature", "logit_bias", "prompt", "n"]
+FUZZ_SCALARS = (st.none() | st.booleans() | st.integers(-5, 2**40) | st.sampled_from(
+    [0.5, 1.5, 2.0, math.nan, math.inf, -math.inf, "inf", "primal", "dual", "off", "²", "x"])
+    | st.text(max_size=6))
+FUZZ_VALUES = st.recursive(FUZZ_SCALARS, lambda children: st.lists(children, max_size=2)
+                           | st.dictionaries(st.sampled_from(FUZZ_KEYS), children, max_size=2),
+                           max_leaves=4)
+
+
+@st.composite
+def fuzz_bodies(draw: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"prompt": draw(st.text(max_size=8))}
+    for key in draw(st.lists(st.sampled_from(FUZZ_KEYS), max_size=4, unique=True)):
+        body[key] = draw(FUZZ_VALUES)
+    if draw(st.booleans()):
+        body["vllm_xargs"] = draw(st.dictionaries(st.sampled_from(FUZZ_KEYS), FUZZ_VALUES,
+                                                  max_size=3))
+    return body
+
+
+def _outcome(response: httpx.Response) -> tuple[int, Any]:
+    content = response.json()
+    if response.status_code >= 400:
+        assert set(content["error"]) == {"message", "type", "param", "code"}, content
+        return response.status_code, content["error"]["param"]
+    return response.status_code, content["received"]
+
+
+@settings(max_examples=120, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(body=fuzz_bodies(), how=st.sampled_from(BODY_ENCODINGS),
+       path=st.sampled_from(["/v1/completions", "/v1/chat/completions/batch", "/tokenize"]))
+def test_fuzz_any_encoding_has_the_outcome_of_plain_utf8(served: Served, body: dict[str, Any],
+                                                         how: str, path: str) -> None:
+    raw, headers = encode_body(body, how)
+    response = post_raw(served, path, raw, headers)
+    if how == "gzip":
+        assert assert_openai_error(response, 415)["code"] == "unsupported_content_encoding"
+        return
+    plain, plain_headers = encode_body(body, "utf-8")
+    assert _outcome(response) == _outcome(post_raw(served, path, plain, plain_headers)), how
+
+
+def test_fuzz_defaults_any_encoding() -> None:
+    """With server defaults every body is read: the encodings still agree."""
+    with Served(default_mode="primal", default_top_k=3) as server:
+        for how in READABLE:
+            raw, headers = encode_body({"prompt": "x", "\u00e9": [1]}, how)
+            received = post_raw(server, "/v1/completions", raw, headers).json()["received"]
+            assert received["vllm_xargs"]["bregman_top_k"] == 3, how
+            batch = post_raw(server, "/v1/chat/completions/batch", raw, headers)
+            assert batch.json()["received"]["vllm_xargs"]["bregman_top_k"] == 3, how
+
+
+# The fast path is safe: whatever it leaves unread holds nothing the middleware acts on.
+
+_TEXT_KEYS = st.sampled_from(["bregman_top_k", "bregman_", "bregma", "regman_", "b", "prompt",
+                              "\u00e9", "NaN", "x"])
+
+
+@st.composite
+def json_texts(draw: Any) -> bytes:
+    """JSON text with keys and values escaped at random, in any encoding json.loads reads."""
+    value = draw(st.recursive(
+        FUZZ_SCALARS, lambda children: st.lists(children, max_size=3)
+        | st.dictionaries(_TEXT_KEYS, children, max_size=3), max_leaves=8))
+    text = json.dumps(value, ensure_ascii=draw(st.booleans()))
+    if draw(st.booleans()):  # \\u-escape some letters the way a hostile client would
+        letters = draw(st.sets(st.sampled_from("bregman_NaIity"), max_size=4))
+        text = "".join(f"\\u{ord(c):04x}" if c in letters and draw(st.booleans()) else c
+                       for c in text)
+    codec = draw(st.sampled_from(["utf-8", "utf-8-sig", "utf-16", "utf-16-be", "utf-32"]))
+    return text.encode(codec, "surrogatepass")
+
+
+@settings(max_examples=500, deadline=None, derandomize=True)
+@given(raw=json_texts())
+def test_fast_path_leaves_unread_only_what_needs_no_reading(raw: bytes) -> None:
+    if must_parse(raw):
+        return
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return  # vLLM answers it (a 400), in OpenAI's shape
+
+    def walk(node: Any) -> Iterator[Any]:
+        yield node
+        children = node.values() if isinstance(node, dict) else (
+            node if isinstance(node, list) else ())
+        for child in children:
+            yield from walk(child)
+        if isinstance(node, dict):
+            yield from (("key", key) for key in node)
+
+    for item in walk(body):
+        assert not (isinstance(item, tuple) and item[1].startswith("bregman_")), raw
+        assert not (isinstance(item, float) and not math.isfinite(item)), raw
+
+
 # --- the API key --------------------------------------------------------------------------------
 
 def test_api_key_guards_every_route_but_health(served: Served) -> None:
@@ -416,6 +639,196 @@ def test_a_client_that_stops_reading_is_cut_off() -> None:
                 received += len(chunk)
         assert received < 4096 * 16384 // 2, received  # it stopped long before the end
         assert httpx.get(server.url + "/health").status_code == 200
+
+
+# --- every error in OpenAI's shape (issue 19, finding 5) ---------------------------------------
+
+def test_the_apps_own_errors_reach_the_client_in_openai_shape(served: Served) -> None:
+    """FastAPI's {"detail": ...} answers (unknown route, wrong method, a body it cannot decode)
+    keep their status and headers and gain OpenAI's shape."""
+    missing = httpx.get(served.url + "/nonexistent", headers=AUTH)
+    assert assert_openai_error(missing, 404)["code"] == "not_found"
+    for method, path in (("GET", "/v1/completions"), ("POST", "/health"),
+                         ("DELETE", "/v1/models")):
+        response = httpx.request(method, served.url + path, headers=AUTH)
+        error = assert_openai_error(response, 405)
+        assert error["code"] == "method_not_allowed" and f"({method} {path})" in error["message"]
+        assert response.headers["allow"]
+    undecodable = post_raw(served, "/v1/completions", b'{"prompt": "\xff"}',
+                           {"content-type": "application/json"})
+    assert "UTF-8, UTF-16 or UTF-32" in assert_openai_error(undecodable, 400)["message"]
+
+
+def test_plain_text_errors_and_already_shaped_ones() -> None:
+    from starlette.responses import JSONResponse, PlainTextResponse
+
+    app = stub_app()
+    app.add_api_route("/teapot", lambda: PlainTextResponse("short and stout", 418))
+    shaped = {"error": {"message": "m", "type": "t", "param": None, "code": 7}}
+    app.add_api_route("/shaped", lambda: JSONResponse(shaped, 400))
+    with Served(app) as server:
+        teapot = httpx.get(server.url + "/teapot", headers=AUTH)
+        assert assert_openai_error(teapot, 418)["message"] == "short and stout"
+        assert httpx.get(server.url + "/shaped", headers=AUTH).json() == shaped
+
+
+# --- the API key and CORS preflights (issue 19, finding 2) --------------------------------------
+
+def _metrics_behind_cors() -> FastAPI:
+    """vLLM's shape: /metrics is a mounted Prometheus app (it answers /metrics/anything too),
+    and a CORSMiddleware inside ours."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    async def prometheus(scope: Any, receive: Any, send: Any) -> None:
+        await Response("secret_metric_total 1\n")(scope, receive, send)
+
+    app = stub_app()
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", "") != "/metrics"]
+    app.mount("/metrics", prometheus)
+    app.add_middleware(CORSMiddleware, allow_origins=["https://ok.example"], allow_methods=["*"])
+    return app
+
+
+def test_only_a_real_cors_preflight_passes_without_the_key() -> None:
+    with Served(_metrics_behind_cors()) as server:
+        for path in ("/metrics", "/metrics/", "/metrics/foo"):
+            fake = httpx.options(server.url + path,
+                                 headers={"access-control-request-method": "GET"})
+            assert assert_openai_error(fake, 401)["code"] == "invalid_api_key", path
+            for origin, status in (("https://ok.example", 200), ("https://evil.example", 400)):
+                real = httpx.options(server.url + path, headers={
+                    "origin": origin, "access-control-request-method": "GET"})
+                assert real.status_code == status, (path, origin, real.text)
+                assert "secret_metric" not in real.text  # answered by the CORS layer
+                if status == 400:
+                    assert_openai_error(real, 400)
+            assert "secret_metric" in httpx.get(server.url + path, headers=AUTH,
+                                                follow_redirects=True).text
+    with Served() as server:  # no CORS layer inside: nothing answers preflights, so no waiver
+        real = httpx.options(server.url + "/metrics", headers={
+            "origin": "https://ok.example", "access-control-request-method": "GET"})
+        assert_openai_error(real, 401)
+
+
+# --- slow bodies (issue 19, finding 3) ------------------------------------------------------------
+
+def _trickle(url: str, head: bytes, every: float, limit: int = 200) -> tuple[bytes, int]:
+    """Send ``head``, then one body byte every ``every`` s (at most ``limit``) until the server
+    answers or closes; (what it answered, bytes of body sent)."""
+    host, port = url.removeprefix("http://").split(":")
+    sent = 0
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head)
+        sock.settimeout(every)
+        answer = b""
+        while sent < limit:
+            try:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    return answer, sent
+                answer += chunk
+                continue
+            except TimeoutError:
+                pass
+            except OSError:
+                return answer, sent
+            try:
+                sock.sendall(b" ")
+                sent += 1
+            except OSError:
+                return answer, sent
+        return answer, sent
+
+
+def _head(length: int, key: bool = True) -> bytes:
+    auth = b"Authorization: Bearer " + KEY.encode() + b"\r\n" if key else b""
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + auth
+            + b"Content-Type: application/json\r\nContent-Length: "
+            + str(length).encode() + b"\r\n\r\n")
+
+
+def test_a_trickled_body_has_a_deadline() -> None:
+    """A byte every 0.2 s never leaves a 1 s silence, but the whole body must arrive in 1.5 s."""
+    with Served(body_timeout=1.0, body_deadline=1.5) as server:
+        answer, sent = _trickle(server.url, _head(1000), every=0.2)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"did not arrive whole within 1.5 s" in answer and sent < 200
+
+
+def test_an_unread_body_cannot_hold_the_connection() -> None:
+    """Answered 401 before its body was read, a client that keeps trickling that body is
+    disconnected at the body deadline (uvicorn alone would wait for the whole body)."""
+    with Served(body_timeout=1.0, body_deadline=1.0) as server:
+        answer, sent = _trickle(server.url, _head(100_000, key=False), every=0.2)
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+    assert sent < 200  # closed long before the body could end
+
+
+def test_trickling_clients_cannot_lock_others_out() -> None:
+    """Every slot held by a client trickling its body: new clients still get served, each
+    closing the connection that has waited longest."""
+    with Served(max_connections=20, body_timeout=30, body_deadline=60) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        tricklers = []
+        try:
+            for _ in range(20):
+                sock = socket.create_connection((host, int(port)), timeout=10)
+                sock.sendall(_head(1000) + b"{")
+                tricklers.append(sock)
+            time.sleep(1.5)  # past EVICT_AFTER: they have waited long enough to make room
+            served_ok = sum(server.post("/v1/completions", {"prompt": "x"}).status_code == 200
+                            for _ in range(10))
+            readable, _, _ = select.select(tricklers, [], [], 1.0)
+            closed = 0
+            for sock in readable:  # a closed connection reads as end of file (or a reset)
+                try:
+                    closed += sock.recv(1) == b""
+                except OSError:
+                    closed += 1
+        finally:
+            for sock in tricklers:
+                sock.close()
+    assert served_ok == 10
+    # Room was made by closing tricklers (one per client open at once), not by their deadline.
+    assert 1 <= closed < 20
+
+
+# --- the routes that take the fields (issue 19, finding 4) -------------------------------------
+
+def test_routes_are_read_from_the_apps_request_models() -> None:
+    from bregman_server.routes import VLLM_XARGS, Routes, honoured_routes
+
+    routes = honoured_routes(stub_app())
+    assert routes.targets == dict.fromkeys([*GENERATION_ROUTES, "/v1/chat/completions/batch"],
+                                           VLLM_XARGS)
+    assert honoured_routes(object()).targets == {}  # unreadable: nothing is honoured
+    templated = Routes.of({"/v1/things/{thing_id}/run": VLLM_XARGS})
+    assert templated.match("/v1/things/abc/run") == "/v1/things/{thing_id}/run"
+    assert templated.match("/v1/things/abc/run/x") is None
+
+
+def test_server_defaults_reach_every_honoured_route() -> None:
+    with Served(default_mode="primal", default_top_k=2) as server:
+        for path in [*GENERATION_ROUTES, "/v1/chat/completions/batch"]:
+            received = server.post(path, {"messages": [[{"role": "user", "content": "x"}]]})
+            assert received.json()["received"]["vllm_xargs"]["bregman_top_k"] == 2, path
+        assert "vllm_xargs" not in server.post("/tokenize", {"prompt": "x"}).json()["received"]
+
+
+def test_fields_go_into_sampling_params_extra_args_where_the_route_has_them() -> None:
+    from bregman_server.routes import Target
+
+    target: Target = ("sampling_params", "extra_args")
+    body: dict[str, Any] = {"token_ids": [1], "sampling_params": {"extra_args": {"u": 1}},
+                            "bregman_top_k": 3}
+    assert apply_bregman(body, OFF, target) == ("primal", True)
+    assert body["sampling_params"]["extra_args"]["bregman_top_k"] == 3
+    assert body["sampling_params"]["extra_args"]["u"] == 1 and "bregman_top_k" not in body
+    with pytest.raises(BregmanParamError) as info:
+        apply_bregman({"bregman_top_k": 3}, OFF, target)
+    assert info.value.field == "sampling_params"
+    untouched = {"token_ids": [1]}
+    assert apply_bregman(untouched, OFF, target) == ("off", False)
 
 
 # --- shutdown ----------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ except ImportError:  # pragma: no cover - older vLLM
     RunnerV2LogitsProcessor = ABC
 
 from ..core.plan import Plan, plan_requests
-from ..core.step import decode_step, step_memory_bound
+from ..core.step import StepStats, decode_step, step_memory_bound
 from ..params import BregmanParamError, BregmanParams
 from . import telemetry
 
@@ -145,7 +145,7 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
             self.device = torch.device(args[0])
             self.runner_v2 = False
         self.interface = "v2" if self.runner_v2 else "v1"
-        telemetry.register(self.interface)
+        self.recorder = telemetry.StepRecorder(vllm_config, self.device, self.interface)
         self.vocab = vocab
         self.enabled = _claim(vllm_config)
         self.requests: dict[int, BregmanParams] = {}  # batch row (V1) or request slot (V2)
@@ -183,7 +183,10 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         for index in batch_update.removed:
             changed |= self.requests.pop(index, None) is not None
         for index, params, _prompt, _output in batch_update.added:
-            wanted = self._wanted(params.extra_args if params is not None else None)
+            # Greedy rows take their argmax before this processor runs (V1 sampler): skip them,
+            # as under V2 (`add_request`), so that they are neither decoded nor counted.
+            greedy = getattr(params, "temperature", 1.0) < _GREEDY_TEMPERATURE
+            wanted = None if params is None or greedy else self._wanted(params.extra_args)
             if wanted is not None:
                 self.requests[index] = wanted
                 changed = True
@@ -304,8 +307,9 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         by row, so that only the rows that fail keep their logits."""
         if plan is None:
             return logits
+        stats = StepStats()
         try:
-            return decode_step(logits, plan, logits=True, inplace=True)[0]
+            out, k = decode_step(logits, plan, logits=True, inplace=True, stats=stats)
         except Exception as error:
             written = getattr(error, "bregman_uncertified_rows", None)
             if written is not None:  # the batch is decoded; some rows not certified
@@ -314,10 +318,15 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
             if len(plan.groups) == 1 and plan.groups[0].count == 1:
                 telemetry.record_failure(1, self.interface, error)
                 return logits
+        else:
+            self.recorder.record(plan, k, stats)  # k* and exact-path rows; never raises
+            return out
         for group in plan.groups:
             single = Plan((group,), plan.batch, plan.vocab)
             try:
-                decode_step(logits, single, logits=True, inplace=True)
+                stats = StepStats()
+                _, k = decode_step(logits, single, logits=True, inplace=True, stats=stats)
+                self.recorder.record(single, k, stats)
             except Exception:
                 self._decode_rows_alone(logits, group, plan)
         return logits
@@ -330,7 +339,9 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
             try:
                 single = plan_requests([(position, params)], batch=plan.batch,
                                        vocab=plan.vocab, device=self.device)
-                decode_step(logits, single, logits=True, inplace=True)
+                stats = StepStats()
+                _, k = decode_step(logits, single, logits=True, inplace=True, stats=stats)
+                self.recorder.record(single, k, stats)
             except Exception as error:
                 telemetry.record_failure(1, self.interface, error)
 

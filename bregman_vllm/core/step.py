@@ -59,11 +59,22 @@ class _Result(NamedTuple):
     past: Tensor | None = None  # [n] rows whose k* is certified to be >= the window
 
 
-def decode_step(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = False
-                ) -> tuple[Tensor, Tensor]:
+@dataclass
+class StepStats:
+    """Host counts of one or more steps, filled in by `decode_step` when the caller passes one
+    (telemetry: ``bregman_exact_path_rows_total``)."""
+
+    #: Rows the fixed-shape step could not certify and handed to the exact path (counted at the
+    #: step's one host sync; no sync of its own).
+    uncertified_rows: int = 0
+
+
+def decode_step(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = False,
+                stats: StepStats | None = None) -> tuple[Tensor, Tensor]:
     """Decode the rows of ``scores`` ([N, V] logits, or probabilities with ``logits=False``)
     that the plan's groups name. Returns (decoded [N, V], k [N]); rows outside every group are
     left as they are (and get k = 0). With ``inplace`` the result is written into ``scores``.
+    With ``stats``, the rows handed to the exact path are added to it.
 
     Exceptions propagate. With ``inplace``, one raised by the exact path after the fixed step
     wrote the whole batch carries ``bregman_uncertified_rows`` (the rows that keep the fixed
@@ -76,9 +87,13 @@ def decode_step(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = Fal
         for group in plan.alone]
     results += [(_decode_joint(scores, joint, logits, inplace), joint, joint.rows)
                 for joint in plan.joints]
-    # The step's only host sync: whether any row needs the exact path.
-    flags = [result.needs.any() for result, _, _ in results if result.needs is not None]
-    if flags and bool(torch.stack(flags).any() if len(flags) > 1 else flags[0]):
+    # The step's only host sync: how many rows need the exact path.
+    counts = [result.needs.sum() for result, _, _ in results if result.needs is not None]
+    uncertified = int(torch.stack(counts).sum() if len(counts) > 1 else counts[0]) \
+        if counts else 0
+    if stats is not None:
+        stats.uncertified_rows += uncertified
+    if uncertified:
         try:
             results = [(_redo(result, owner, logits), owner, rows)
                        for result, owner, rows in results]
@@ -86,9 +101,7 @@ def decode_step(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = Fal
             if inplace and any(rows is None for _, _, rows in results):
                 # ``scores`` already holds the step's output: tell the caller not to decode
                 # it again, and how many rows kept the window's uncertified answer.
-                error.bregman_uncertified_rows = sum(  # type: ignore[attr-defined]
-                    int(result.needs.sum()) for result, _, _ in results
-                    if result.needs is not None)
+                error.bregman_uncertified_rows = uncertified  # type: ignore[attr-defined]
             raise
     if len(results) == 1 and results[0][2] is None:
         return results[0][0].out, results[0][0].k  # (``scores`` itself when inplace)
