@@ -385,7 +385,6 @@ def _serve_many(args: argparse.Namespace, settings: ServerSettings, count: int) 
             print(ready_line(sock.getsockname(), args, count), flush=True)
             announced = True
         ended = [watched[sentinel] for sentinel in connection.wait(list(watched), WATCH_INTERVAL)]
-    sock.close()
     status = 0
     if ended:
         codes = {proc.name: proc.exitcode for proc in ended}
@@ -399,6 +398,7 @@ def _serve_many(args: argparse.Namespace, settings: ServerSettings, count: int) 
         for proc in api.processes:
             proc.join(max(0.0, deadline - time.monotonic()))
     api.shutdown(timeout=settings.graceful_timeout + API_SERVER_STOP_MARGIN)
+    sock.close()
     if any(proc.exitcode not in (0, None) for proc in api.processes) and status == 0:
         status = 1
     # As `vllm serve` stops them (after a signal: --shutdown-timeout, 0 by default).

@@ -4,7 +4,9 @@ one port, the process that started them, and bregman-serve's supervisor above it
 
 * the middleware in every API server process: on each (found by who owns the connection) a
   request without the key is a 401, a bad field a 400 naming it, with the key a 200;
-* the processor in every engine: the top-k oracle (``--logprobs-mode processed_logprobs``,
+* the processor in every engine: the engines' Bregman metrics add up over both (the check of
+  tests/test_server_support.py, which needs a data-parallel server: this one), and the top-k
+  oracle (``--logprobs-mode processed_logprobs``,
   ``bregman_top_k=2`` leaves at most 2 tokens above -9000 at every step) over requests that
   vLLM spread over both engines (its per-engine ``vllm:request_success_total``);
 * the lifecycle: SIGTERM to the server's whole process group with streams open on both API
@@ -36,6 +38,7 @@ from bregman_server.settings import ServerSettings
 
 from .test_server_support import (
     ServerProcess,
+    check_engine_metrics_add_up,
     finite_top_logprobs,
     prometheus_value,
     require_tiny_model,
@@ -275,6 +278,14 @@ def test_oracle_on_both_engines(live: Live) -> None:
 
 @pytest.mark.server
 @pytest.mark.timeout(900)
+def test_engine_metrics_add_up_over_engines_and_api_servers(live: Live) -> None:
+    """The engines' Bregman metrics (k*, exact path, failures) on /metrics, summed over both
+    engine processes, whichever API server answers the scrape."""
+    check_engine_metrics_add_up(live.url, MODEL, headers=AUTH, engines=2)
+
+
+@pytest.mark.server
+@pytest.mark.timeout(900)
 def test_sigterm_to_the_process_group_drains_every_api_server(live: Live) -> None:
     """``kill -- -PGID`` with streams open on both API servers: the engines keep running
     (they are not in that group), each API server refuses new requests and lets its streams
@@ -335,19 +346,22 @@ def test_sigterm_to_the_process_group_drains_every_api_server(live: Live) -> Non
 
 def _read_stream(connection: socket.socket, body: bytes, results: dict[int, Any], index: int,
                  started: threading.Event) -> None:
-    """POST a streamed completion on ``connection`` and read it to the end, in large blocks
-    (so that four readers leave the test's other thread some CPU): (status, the SSE lines, when
-    it ended, (when, size) of each block read). ``started`` is set at the first token."""
+    """POST a streamed completion on ``connection`` and read it to the end, in large blocks:
+    (status, the SSE lines, when it ended, (when, size) of each block read). ``started`` is set
+    at the first token."""
     connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
                        b"Content-Type: application/json\r\nAuthorization: Bearer "
                        + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
     blocks: list[bytes] = []
     arrivals: list[tuple[float, int]] = []
-    while block := connection.recv(1 << 16):
+    while block := connection.recv(1 << 20):
         blocks.append(block)
         arrivals.append((time.monotonic(), len(block)))
         if b"data: {" in block:
             started.set()
+        # Let tokens gather in the socket's buffer: a reader woken at every token would hold
+        # the interpreter's lock and starve the thread that sends the signal and the requests.
+        time.sleep(0.05)
     started.set()
     head, _, rest = b"".join(blocks).partition(b"\r\n\r\n")
     payload = []
