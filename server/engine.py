@@ -59,6 +59,9 @@ logger = logging.getLogger("bregman_server")
 MIDDLEWARE_PATH = "bregman_server.middleware.BregmanMiddleware"
 #: Exit status when the engine died while serving.
 ENGINE_DIED_EXIT_CODE = 3
+#: What `_serve_many` sends its API servers when an engine process (or vLLM's data-parallel
+#: coordinator) has died: their engine clients, which did not start the engines, cannot see it.
+ENGINE_DIED_SIGNAL = signal.SIGUSR1
 #: How often the engine's health is looked at, seconds.
 WATCH_INTERVAL = 0.2
 # Engine flags that mean "the user chose the prefill batching": then we add nothing.
@@ -168,7 +171,7 @@ def _environment(settings: ServerSettings) -> str | None:
     if vllm_is_cpu_build():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_space_gib))
     # vLLM would stop the HTTP server at the first request that finds its engine dead; our own
-    # policy (step 5 above: 503s, open requests ended in OpenAI's shape, then exit 3) decides.
+    # policy (step 6 above: 503s, open requests ended in OpenAI's shape, then exit 3) decides.
     os.environ["VLLM_KEEP_ALIVE_ON_ENGINE_DEATH"] = "1"
     # The Bregman processor's engine tests run on vLLM's V1 model runner (deploy/README.md).
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -253,6 +256,10 @@ async def _api_server(args: argparse.Namespace, settings: ServerSettings,
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    # As one of several API servers: the engines are not this process's children, and the
+    # process that started them says when one died.
+    engine_dead = asyncio.Event()
+    loop.add_signal_handler(ENGINE_DIED_SIGNAL, engine_dead.set)
 
     if sock is None:
         _, sock = setup_server(args, reuse_port=False)
@@ -280,7 +287,7 @@ async def _api_server(args: argparse.Namespace, settings: ServerSettings,
                 else:
                     with ready.get_lock():
                         ready.value += 1
-            engine_died = loop.create_task(_engine_death(engine))
+            engine_died = loop.create_task(_engine_death(engine, engine_dead))
             stopping = loop.create_task(stop.wait())
             done, _ = await asyncio.wait({serving, engine_died, stopping},
                                          return_when=asyncio.FIRST_COMPLETED)
@@ -325,8 +332,9 @@ def _serve_many(args: argparse.Namespace, settings: ServerSettings, count: int) 
     """The engines and ``count`` API server processes on one socket, as vLLM's
     ``run_multi_api_server`` starts them, each API server running `_api_server` (vLLM's would
     lack our middleware's settings, lifecycle and signal handling). This process only watches:
-    a signal is passed on to every API server, which drains; an engine's death makes them
-    answer 503 and exit with status 3. The engines stop last."""
+    a signal is passed on to every API server, which drains; when an engine dies it tells them
+    (`ENGINE_DIED_SIGNAL`), and they answer 503 and exit with status 3. The engines stop
+    last."""
     import multiprocessing
     import threading
     from multiprocessing import connection
@@ -387,12 +395,19 @@ def _serve_many(args: argparse.Namespace, settings: ServerSettings, count: int) 
         ended = [watched[sentinel] for sentinel in connection.wait(list(watched), WATCH_INTERVAL)]
     status = 0
     if ended:
+        for proc in ended:
+            proc.join(1.0)
         codes = {proc.name: proc.exitcode for proc in ended}
         engine_died = any(proc not in api.processes or code == ENGINE_DIED_EXIT_CODE
                           for proc, code in zip(ended, codes.values(), strict=True))
         status = ENGINE_DIED_EXIT_CODE if engine_died else 1
         logger.error("%s ended (exit status %s): stopping", ", ".join(codes),
                      ", ".join(str(code) for code in codes.values()))
+        if engine_died:
+            for proc in api.processes:
+                if proc.is_alive() and proc.pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, ENGINE_DIED_SIGNAL)
         # The API servers answer 503 for engine_exit_grace seconds, then exit on their own.
         deadline = time.monotonic() + settings.engine_exit_grace + API_SERVER_STOP_MARGIN
         for proc in api.processes:
@@ -427,9 +442,10 @@ def _api_server_process(listen_address: str, sock: Any, args: argparse.Namespace
     sys.exit(uvloop.run(_api_server(args, settings, sock, client_config, ready)))
 
 
-async def _engine_death(engine: Any) -> None:
-    """Returns once the engine is dead (vLLM marks its client ``errored``)."""
-    while not engine.errored:
+async def _engine_death(engine: Any, dead: asyncio.Event) -> None:
+    """Returns once the engine is dead: vLLM marks its client ``errored``, or ``dead`` is set
+    (`ENGINE_DIED_SIGNAL`)."""
+    while not (engine.errored or dead.is_set()):
         await asyncio.sleep(WATCH_INTERVAL)
 
 
