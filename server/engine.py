@@ -26,7 +26,8 @@ outermost ASGI layer, on one listening port. The steps of `serve`, in order:
    each of them, waits for their drains, then stops the engines.
 6. If the engine dies: at once /health and new requests get 503 and open requests are ended as
    in 5; after ``engine_exit_grace`` seconds the process stops every engine process it started
-   and exits with status 3 (so that a supervisor restarts it).
+   and exits with status 3 (so that a supervisor restarts it). With several API servers, the
+   process that started the engines tells each of them (`ENGINE_DIED_SIGNAL`).
 
 `bregman-serve` itself runs all this in a child process in a session of its own
 (`bregman_server.cli.supervise`), so that a signal sent to its whole process group reaches the
