@@ -13,7 +13,7 @@ What deploy/README.md says about the router is checked here:
   them (the documented scheme); the router's own ``--api-key`` is what it sends on the routes
   it does not know (``/tokenize``, ``/v1/responses``, ``/metrics``...), for any client, so it
   stays unset;
-* one replica stopped (SIGTERM to its whole process group, with a stream open on it): its
+* one replica stopped (SIGTERM to its whole process group, with a stream open on it): the
   stream still ends normally (it drains), and every later request is answered by the other;
 * ``bregman-serve`` prints its ready line, and a SIGKILL of it leaves no process behind.
 
@@ -266,35 +266,43 @@ def test_the_key_scheme_with_the_router(deployment: Deployment, tmp_path: Path) 
 
 
 def _stream(url: str, results: dict[int, Any], index: int) -> None:
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "n": 2, "ignore_eos": True,
+    """A long streamed completion through ``url``: (status, its SSE lines, when it ended). Read
+    in bursts: a reader woken at every token would starve the test's other threads."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "n": 8, "ignore_eos": True,
             "stream": True}
-    lines: list[str] = []
+    chunks: list[bytes] = []
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH,
                           timeout=300) as response:
-            lines.extend(line for line in response.iter_lines() if line)
-            results[index] = (response.status_code, lines, time.monotonic())
+            for chunk in response.iter_bytes():
+                chunks.append(chunk)
+                time.sleep(0.05)
+        lines = [line for line in b"".join(chunks).decode().splitlines() if line]
+        results[index] = (response.status_code, lines, time.monotonic())
     except httpx.HTTPError as error:
-        results[index] = (None, [*lines, repr(error)], time.monotonic())
+        results[index] = (None, [repr(error)], time.monotonic())
 
 
 def test_one_replica_stopped_every_later_request_answered(deployment: Deployment) -> None:
-    """SIGTERM to the whole process group of replica B (``kill -- -PGID``) while streams run
-    on both replicas: B drains (its stream ends normally), exits 0 and leaves nothing behind;
-    every request sent through the router from the signal on is answered."""
+    """SIGTERM to the whole process group of replica B (``kill -- -PGID``) while a stream runs
+    on it: B drains (the stream ends normally), exits 0 and leaves nothing behind; every
+    request sent through the router from the signal on is answered."""
     stopped = deployment.replicas[1]
     results: dict[int, Any] = {}
-    streams = [threading.Thread(target=_stream, args=(deployment.router.url, results, i))
-               for i in range(2)]
-    for thread in streams:
-        thread.start()
-        time.sleep(0.3)  # round-robin: one stream per replica
-    deadline = time.monotonic() + 60
-    while prometheus_value(deployment.replica_metrics(stopped),
-                           "bregman_server_requests_in_flight", default=0.0,
-                           endpoint="/v1/completions") < 1:
-        assert time.monotonic() < deadline, "no stream reached replica B"
-        time.sleep(0.05)
+    streams: list[threading.Thread] = []
+
+    def on_b() -> bool:
+        return prometheus_value(deployment.replica_metrics(stopped),
+                                "bregman_server_requests_in_flight", default=0.0,
+                                endpoint="/v1/completions") >= 1
+
+    # Round-robin: of two streams in a row, one is on replica B (each runs for seconds).
+    while not on_b():
+        assert len(streams) < 4, f"no stream reached replica B: {sorted(results)}"
+        streams.append(threading.Thread(target=_stream, args=(deployment.router.url, results,
+                                                              len(streams))))
+        streams[-1].start()
+        time.sleep(0.2)
     stopped.remember_descendants()
     signalled = time.monotonic()
     os.killpg(os.getpgid(stopped.pid), signal.SIGTERM)
@@ -313,8 +321,11 @@ def test_one_replica_stopped_every_later_request_answered(deployment: Deployment
     ends = []
     for status, lines, ended in results.values():
         assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
-        final = json.loads(lines[-2].removeprefix("data: "))
-        assert "error" not in final and final["choices"][0]["finish_reason"] == "length", final
+        events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+        assert not [event for event in events if "error" in event], "a stream was cut"
+        finished = [choice["finish_reason"] for event in events for choice in event["choices"]
+                    if choice["finish_reason"]]
+        assert finished == ["length"] * 8, finished
         ends.append(round(ended - signalled, 1))
     FIGURES["replica_stop"] = {"later_requests": len(statuses), "answered_200":
                                statuses.count(200), "stream_ends_after_signal_s": ends,
