@@ -238,19 +238,19 @@ def test_renormalize_api():
 
 
 @pytest.mark.parametrize(("kwargs", "field", "text"), [
-    ({"alpha": 0.0, "lam": 0.1}, "alpha", "(0, inf)"),
-    ({"alpha": -1.0, "lam": 0.1}, "alpha", "(0, inf)"),
-    ({"alpha": math.inf, "lam": 0.1}, "alpha", "(0, inf)"),
-    ({"alpha": math.nan, "lam": 0.1}, "alpha", "(0, inf)"),
-    ({"alpha": 1.0, "lam": 0.1, "mode": "dual"}, "alpha", "(1, inf)"),
-    ({"alpha": 0.9, "lam": 0.1, "mode": "dual", "top_k": 3}, "alpha", "[1, inf]"),
+    ({"alpha": 0.0, "lam": 0.1}, "alpha", "(0, 1e8]"),
+    ({"alpha": -1.0, "lam": 0.1}, "alpha", "(0, 1e8]"),
+    ({"alpha": math.inf, "lam": 0.1}, "alpha", "(0, 1e8]"),
+    ({"alpha": math.nan, "lam": 0.1}, "alpha", "(0, 1e8]"),
+    ({"alpha": 1.0, "lam": 0.1, "mode": "dual"}, "alpha", "(1, 1e8]"),
+    ({"alpha": 0.9, "lam": 0.1, "mode": "dual", "top_k": 3}, "alpha", "[1, 1e8], or inf"),
     ({"alpha": 0.0, "lam": 0.1, "top_k": 3}, "alpha", "excluding 0"),
     ({"alpha": 1.5, "lam": -0.1}, "lam", "[0, inf)"),
     ({"alpha": 1.5, "lam": math.inf}, "lam", "[0, inf)"),
     ({"alpha": 1.5, "lam": 0.1, "top_k": 0}, "top_k", ">= 1"),
     ({"alpha": 1.5, "lam": 0.1, "k_max": -2}, "k_max", ">= 1"),
     ({"alpha": 1.5, "lam": 0.1, "mode": "both"}, "mode", '"primal" | "dual"'),
-    ({"alpha": torch.tensor([1.5, 0.0]), "lam": 0.1}, "alpha", "(0, inf)"),
+    ({"alpha": torch.tensor([1.5, 0.0]), "lam": 0.1}, "alpha", "(0, 1e8]"),
     ({"alpha": torch.ones(3), "lam": 0.1}, "alpha", "broadcast"),
     ({"lam": 0.1}, "alpha", "required"),
 ])

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..params import BregmanParamError, alpha_range, parse_mode
+from ..params import BregmanParamError, check_alpha, parse_mode
 from .exact import _log_renorm
 from .generators import BregmanGenerator
 from .plan import Plan, make_plan
@@ -150,24 +150,9 @@ def _row_values(value, name: str, batch_shape: torch.Size, device, dtype) -> Ten
 
 
 def _check_alpha_rows(alpha: Tensor, mode: str, fixed: Tensor, name: str) -> None:
-    """Apply the parameter model's alpha ranges to every row (vectorized)."""
-    for is_fixed in (False, True):
-        rows = fixed == is_fixed
-        if not bool(rows.any()):
-            continue
-        allowed = alpha_range(mode, is_fixed)
-        a = alpha[rows]
-        ok = ~torch.isnan(a)
-        ok &= (a >= allowed.low) if allowed.low_closed else (a > allowed.low)
-        ok &= (a <= allowed.high) if allowed.high_closed else (a < allowed.high)
-        if allowed.exclude_zero:
-            ok &= a != 0
-        if not bool(ok.all()):
-            bad = float(a[~ok][0])
-            selection = "fixed-k" if is_fixed else "adaptive"
-            raise BregmanParamError(
-                name, f"must be in {allowed.text()} for {selection} {mode} decoding, got {bad:g}; "
-                f"{allowed.why}")
+    """Apply the parameter model's alpha ranges to every row (the host values, once)."""
+    for value, is_fixed in zip(alpha.tolist(), fixed.tolist(), strict=True):
+        check_alpha(value, mode, fixed_k=is_fixed, field=name)
 
 
 def renormalize(x: Tensor, *, alpha, mode: str = "primal") -> Tensor:

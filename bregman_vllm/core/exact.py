@@ -159,21 +159,23 @@ def _window_exceeds(mode: str, cand: _Candidates, start: Tensor, count: int, alp
 
 
 def _search(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, low: Tensor,
-            high: Tensor, generator: BregmanGenerator | None = None
-            ) -> tuple[Tensor, Tensor, Tensor]:
+            high: Tensor, generator: BregmanGenerator | None = None,
+            raised: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Smallest k in [low, high] with G(k) <= lambda, where G(high) <= lambda is taken as given.
 
     Rows starting at low = 1: one window probe decides G(1 .. WINDOW) at once (k* is usually
     small), then galloping (m = low, low + 1, low + 3, ...) and bisection: O(log k*) probes. Rows
-    of a later candidate round (low > 1, high = 8 low) bisect [low, high]. All rows advance
-    together; each probe runs only on the rows still searching.
+    of a later candidate round (low > 1, high = 8 low) bisect [low, high], or gallop from low
+    where ``raised`` says low comes from the gap floor (`_floor_sizes`: k* is usually just past
+    it). All rows advance together; each probe runs only on the rows still searching.
 
     Returns (k*, log T_k* for the rows the window resolved ([n, W]), which rows those are).
     """
     low, high = low.clone(), high.clone()
+    raised = torch.zeros_like(low, dtype=torch.bool) if raised is None else raised
     cache = torch.empty(low.shape[0], 0, dtype=cand.log_p.dtype, device=low.device)
     cached = torch.zeros_like(low, dtype=torch.bool)
-    first_round = low == 1  # later rounds know k* >= low: they bisect [low, high] directly
+    first_round = (low == 1) & ~raised  # later rounds know k* >= low: no window probe
     active = ((low < high) & first_round).nonzero().squeeze(-1)
     if active.numel():
         lo, hi = low[active], high[active]
@@ -197,7 +199,7 @@ def _search(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, low: Tenso
         cache[active] = torch.gather(maps, 1, pick).squeeze(1)
         cached[active] = resolved
     step = torch.ones_like(low)
-    galloping = first_round.clone()
+    galloping = first_round | raised
     while True:
         active = (low < high).nonzero().squeeze(-1)
         if active.numel() == 0:
@@ -211,6 +213,46 @@ def _search(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, low: Tenso
         high[active] = torch.where(exceeds, hi, m)
         step[active] = torch.where(exceeds & gal, step[active] * 2, step[active])
         galloping[active] = gal & exceeds
+
+
+def _floor_sizes(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor) -> Tensor:
+    """A lower bound on k* per row, from a floor of every cost gap: G(k) > lambda, hence
+    k* > k, until the floor reaches lambda. Returns the first k in 1 .. W - 1 whose floor is at
+    most lambda, else W (k* >= W: the row needs a wider round, and no probe of this one).
+    Exact, not a heuristic: where k* is large (tiny lambda, primal alpha near 0, dual alpha
+    near 1) it starts the search next to k* and skips the probes of the rounds below it.
+
+    The floor is the last term of G(k) (`gaps`; the others are >= 0) at a lower bound q_lo of
+    q' = T_(k+1)(p)_(k+1), with p = p_(k+1), R = R_(k+1), m = k + 1:
+
+    * primal, d(0, q') = q'^alpha / alpha; q' >= p (T adds mass, eq. (4)), and for alpha > 1
+      q'^b = p^b + c^b with c >= R/m (b >= 1) or (b R/m)^(1/b) (b < 1), the bracket of
+      `primal.newton_log_renorm`;
+    * dual, q'^(alpha-1) [(alpha-1)^2 (q' - p) + p] / (alpha (alpha-1)), increasing in q' >= p;
+      by eq. (5), q'^(alpha-2) (q' - p) = nu with nu >= (R/m)^(alpha-1) for alpha >= 2 (so
+      q' >= R/m) and nu >= R/m for alpha < 2 (so q' >= p + (R/m) p^(2-alpha)) (Theorem A.1).
+    """
+    width = cand.log_p.shape[-1]
+    if width == 1:
+        return torch.ones(alpha.shape[0], dtype=torch.long, device=alpha.device)
+    a = alpha.unsqueeze(-1)
+    b = a - 1.0
+    log_p = cand.log_p[:, 1:]  # p_(k+1), k = 1 .. W-1
+    sizes = torch.arange(1, width, device=log_p.device)
+    log_share = torch.log(cand.deficit[:, 2:]) - torch.log1p(sizes.to(log_p.dtype))  # R/m
+    if mode == "primal":
+        level = torch.where(b >= 1.0, log_share, (torch.log(b.clamp_min(1e-300)) + log_share)
+                            / b.clamp_min(1e-300))
+        log_q = torch.where(b > 0, torch.maximum(log_p, level), log_p)
+        log_floor = a * log_q - torch.log(a)
+    else:
+        log_q = torch.where(a >= 2.0, torch.maximum(log_p, log_share),
+                            torch.logaddexp(log_p, log_share + (1.0 - b) * log_p))
+        moved = log_p + torch.log(torch.expm1((log_q - log_p).clamp_min(0.0)))  # q' - p
+        inner = torch.logaddexp(2.0 * torch.log(b) + moved, log_p)
+        log_floor = b * log_q + inner - torch.log(a * b)
+    below = ~(log_floor > torch.log(lam).unsqueeze(-1))  # (zero entries: NaN or -inf)
+    return torch.where(below, sizes, width).amin(-1)
 
 
 def _support_sizes(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, fixed: Tensor,
@@ -241,6 +283,11 @@ def _support_sizes(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, fix
         lo = torch.minimum(low[adaptive], upper)
         sub = _take(cand, adaptive)
         a, lm = alpha[adaptive], lam[adaptive]
+        raised = torch.zeros_like(bounded)
+        if generator is None:
+            floor = torch.minimum(_floor_sizes(mode, sub, a, lm), upper)
+            raised = floor > lo
+            lo = torch.maximum(lo, floor)
         found = torch.empty_like(lo)
         if generator is not None or len(alpha_values) == 1:  # one divergence for every row
             every = torch.arange(a.shape[0], device=a.device)
@@ -262,7 +309,7 @@ def _support_sizes(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, fix
             else:
                 grp = _take(sub, rows)
                 found[rows], maps, have = _search(mode, grp, a[rows], lm[rows], lo[rows],
-                                                  upper[rows], generator)
+                                                  upper[rows], generator, raised[rows])
                 if maps.shape[-1] > cache.shape[-1]:
                     cache = torch.nn.functional.pad(cache, (0, maps.shape[-1] - cache.shape[-1]),
                                                     value=-math.inf)

@@ -60,16 +60,51 @@ class Family(str, enum.Enum):
     EXACT = "exact"
 
 
+#: Total variation within which an adaptive row is decoded by its lambda -> 0 limit, every
+#: positive token kept (`keeps_all`).
+KEEP_ALL_TOLERANCE = 1e-9
+
+
+def log_gap_floor_scale(mode: str, alpha: float) -> float:
+    """log(alpha c) of the floor G(k) >= p_(k+1)^alpha / (alpha c) of every cost gap, with c = 1
+    (primal) or alpha - 1 (dual), for alpha > 0 (resp. > 1).
+
+    Primal: G(k) = D(T_k, T_(k+1)) >= d(0, q'_(k+1)) = q'^alpha / alpha (the Bregman
+    Pythagorean identity, eqs. (15)-(16); `gaps`), and q' >= p_(k+1) since T adds mass (eq. (4)).
+    Dual: the last term of G*(k) (`gaps`) is q'^(alpha-1) [(alpha-1)^2 (q' - p) + p] /
+    (alpha (alpha-1)) >= p^alpha / (alpha (alpha-1)), the other terms are >= 0 and q' >= p
+    (Theorem A.1)."""
+    scale = math.log(alpha)
+    if mode == "dual":
+        scale += math.log(alpha - 1.0)
+    return scale
+
+
+def keeps_all(mode: str, alpha: float, lam: float, vocab: int) -> bool:
+    """Whether adaptive decoding keeps every positive token of any row of ``vocab`` entries, to
+    within a total variation of `KEEP_ALL_TOLERANCE` (lambda = 0: exactly; Theorem 3.3).
+
+    With the floor of `log_gap_floor_scale`, a token past k* has p <= (lambda alpha c)^(1/alpha)
+    (G(k*) <= lambda), so the exact answer drops a mass R <= V (lambda alpha c)^(1/alpha) and
+    differs from p itself (every token kept, nothing renormalized) by R in total variation.
+    This is the limit of both ends where k* -> V: lambda -> 0, primal alpha -> 0 (the bound is
+    (lambda alpha)^(1/alpha)) and dual alpha -> 1 (the bound is V lambda alpha (alpha - 1))."""
+    if lam == 0.0:
+        return True
+    exponent = (math.log(lam) + log_gap_floor_scale(mode, alpha)) / alpha
+    return math.log(vocab) + exponent <= math.log(KEEP_ALL_TOLERANCE)
+
+
 #: Families whose k* search is a closed-form gap over the whole window (no iteration).
 CLOSED_GAP_FAMILIES = frozenset({Family.KL, Family.THREE_HALVES, Family.SQUARE})
 #: Families solved by a fixed number of Newton iterations per support size.
 ITERATIVE_FAMILIES = frozenset({Family.POWER, Family.DUAL_THREE_HALVES, Family.DUAL_THREE})
 
 
-def family_of(mode: str, alpha: float, fixed: bool, lam: float = 1.0, capped: bool = False
-              ) -> Family:
-    """The family of one row, from validated parameters (host values, no tensors)."""
-    if not fixed and lam == 0.0 and not capped:
+def family_of(mode: str, alpha: float, fixed: bool, keep_all: bool = False) -> Family:
+    """The family of one row, from validated parameters (host values, no tensors);
+    ``keep_all``: an adaptive row without a cap whose k* is every positive token (`keeps_all`)."""
+    if keep_all and not fixed:
         return Family.KEEP_ALL
     if alpha == 2.0:
         return Family.SQUARE

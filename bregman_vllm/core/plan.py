@@ -25,7 +25,7 @@ import torch
 
 from ..params import BregmanParamError, check_alpha, parse_mode
 from .candidates import UNBOUNDED
-from .families import ITERATIVE_FAMILIES, Family, family_of, newton_iterations
+from .families import ITERATIVE_FAMILIES, Family, family_of, keeps_all, newton_iterations
 from .generators import BregmanGenerator
 
 Tensor = torch.Tensor
@@ -257,20 +257,23 @@ def _classify(mode: str, alpha: float, lam: float, top: int, cap: int, generator
         for name, value in ((top_name, top), (cap_name, cap)):
             if value < 0:
                 raise BregmanParamError(name, f"must be an integer >= 1, got {value}")
+    if generator is None and validate:
+        check_alpha(alpha, mode, fixed_k=top > 0, field=alpha_name)
     # The vocabulary bounds every support: larger sizes are clamped (never an error).
     top, cap = min(top, vocab), min(cap, vocab)
     fixed_size = min(top, cap) if top and cap else top
-    if not top and cap and lam == 0.0:
-        fixed_size = cap  # lambda = 0 keeps every nonzero entry: k* = k_max
+    # lambda = 0, or a lambda below which no token can be dropped (within `KEEP_ALL_TOLERANCE`):
+    # k* is every positive entry, so with a cap k* = k_max.
+    valid_alpha = generator is None and math.isfinite(alpha) and \
+        alpha > (1.0 if mode == "dual" else 0.0)
+    every = not top and (keeps_all(mode, alpha, lam, vocab) if valid_alpha else lam == 0.0)
+    if every and cap:
+        fixed_size = cap
     fixed = fixed_size > 0
     if generator is not None:
-        keep = not fixed and lam == 0.0 and not cap
-        return (Family.KEEP_ALL if keep else Family.EXACT, fixed, 0.0, lam, fixed_size, cap)
-    if validate and top > 0:
-        check_alpha(alpha, mode, fixed_k=True, field=alpha_name)
-    elif validate:
-        check_alpha(alpha, mode, fixed_k=False, field=alpha_name)
-    family = family_of(mode, alpha, fixed, lam, capped=cap > 0)
+        return (Family.KEEP_ALL if every and not fixed else Family.EXACT, fixed, 0.0, lam,
+                fixed_size, cap)
+    family = family_of(mode, alpha, fixed, keep_all=every)
     if family == Family.KEEP_ALL:
         fixed = False
     return (family, fixed, alpha, lam, fixed_size, cap)
