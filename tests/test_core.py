@@ -329,7 +329,7 @@ def test_exact_path_rows_that_wait_for_a_wider_round_keep_their_own_probabilitie
         plan = exact_plan("primal", torch.full((n,), 0.5, dtype=F64),
                           torch.tensor(lam, dtype=F64), torch.tensor(fixed),
                           torch.zeros(n, dtype=torch.long))
-        decode_exact(out, k, p[rows], plan, torch.exp)
+        decode_exact(out, k, p[rows], plan, logits=False)
         return out, k
 
     both, k_both = exact(slice(0, 2), [1e-9, 0.0], [0, 1000])
@@ -441,7 +441,7 @@ def test_the_keep_all_limit_bound_holds_where_it_is_used():
         rows = torch.zeros(3, dtype=torch.long)
         plan = exact_plan(mode, torch.full((3,), alpha, dtype=F64),
                           torch.full((3,), lam, dtype=F64), rows, rows)
-        decode_exact(out, k, p, plan, torch.exp)
+        decode_exact(out, k, p, plan, logits=False)
         distance = 0.5 * (out - p).abs().sum(-1)
         assert (distance <= KEEP_ALL_TOLERANCE + 1e-12).all(), (mode, alpha, lam, distance)
         checked += 1

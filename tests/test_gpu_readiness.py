@@ -77,6 +77,34 @@ def test_one_call_at_most_one_sync_and_150_launches(logits, name):
         assert counter.syncs == 0, dict(counter.sync_ops)
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_one_step_is_three_passes_over_the_batch_and_no_intermediate(logits, name):
+    """Passes over the [64, 32000] batch (`DispatchCounter(full=...)`: ops that read a whole
+    [n, V] tensor or write one; gathers and scatters of K entries per row not counted): the
+    step in place, as the processor runs it, reads the logits twice (block maxima; block
+    log-sum-exps, which give the log-normalizer without a probability tensor) and writes them
+    once, and makes no [n, V] tensor. The public, out-of-place call makes its output, from one
+    more read of the logits (rows that are not distributions keep their values)."""
+    from bregman_vllm.core.plan import make_plan
+
+    kwargs = CONFIGS[name]
+    plan = make_plan(kwargs.get("mode", "primal"), kwargs["alpha"], kwargs["lam"],
+                     kwargs.get("top_k"), kwargs.get("k_max"), batch_shape=BATCH, vocab=VOCAB,
+                     device="cpu")
+    step_module.decode_step(logits.clone(), plan, logits=True, inplace=True)  # constants
+    scores = logits.clone()
+    with DispatchCounter(full=BATCH * VOCAB) as counter:
+        step_module.decode_step(scores, plan, logits=True, inplace=True)
+    assert counter.passes == 3, dict(counter.pass_ops)
+    assert {op for op, n in counter.pass_ops.items() if n} == {
+        "aten::amax (read)", "aten::logsumexp (read)", "aten::masked_fill_ (write)"}
+    assert counter.full_tensors == 0
+    with DispatchCounter(full=BATCH * VOCAB) as counter:
+        out = bregman_decode_logits(logits, **kwargs)
+    assert counter.passes == 4 and counter.full_tensors == 1, dict(counter.pass_ops)
+    assert torch.equal(out, scores)
+
+
 def _extreme_rows(vocab: int) -> dict[str, torch.Tensor]:
     """Rows that stress the fixed Newton iterations and the gap decisions."""
     g = torch.Generator().manual_seed(5)
@@ -130,7 +158,7 @@ def test_fixed_iterations_are_certified_wherever_the_step_trusts_them(monkeypatc
                              **sizes)
             assert all(group.bounded for group in plan.groups)
             before = seen["uncertified"]
-            out, _ = step_module.decode_step(rows.clone(), plan, logits=True)
+            out = step_module.decode_step(rows.clone(), plan, logits=True).out
             assert seen["uncertified"] == before, (kind, mode, alpha, lam, sizes)
             assert not torch.isnan(out).any(), (kind, mode, alpha, lam, sizes)
     assert seen["rows"] >= 2 * 7 * 6 * 3 * 16 - 7 * 6 * 16  # every iterative group ran
@@ -144,15 +172,15 @@ def test_exact_path_for_rows_past_the_window_agrees_with_it():
     for mode, alpha, lam in (("primal", 1.5, 1e-7), ("primal", 3.0, 1e-9), ("dual", 1.5, 1e-7)):
         out, k = bregman_decode_logits(flat, alpha=alpha, lam=lam, mode=mode, return_k=True)
         assert (k > 64).all()
-        p = torch.softmax(flat, -1)
-        want = torch.full_like(flat, -math.inf)
+        p = torch.softmax(flat, -1)  # the exact path on the probabilities, the step on logits
+        want = torch.zeros_like(flat)
         k_want = torch.zeros(6, dtype=torch.long)
         rows = torch.full((6,), 0, dtype=torch.long)
         plan = exact_plan(mode, torch.full((6,), alpha, dtype=torch.float64),
                           torch.full((6,), lam, dtype=torch.float64), rows, rows)
-        decode_exact(want, k_want, p, plan, lambda log_q: log_q.to(flat.dtype))
+        decode_exact(want, k_want, p, plan, logits=False)
         assert torch.equal(k, k_want)
-        torch.testing.assert_close(out.exp(), want.exp(), rtol=0, atol=1e-7)
+        torch.testing.assert_close(out.exp(), want, rtol=0, atol=1e-7)
 
 
 def test_fixed_shape_step_agrees_with_the_exact_path_on_realistic_rows(logits):
@@ -168,7 +196,7 @@ def test_fixed_shape_step_agrees_with_the_exact_path_on_realistic_rows(logits):
         none = torch.zeros(16, dtype=torch.long)
         plan = exact_plan(mode, torch.full((16,), alpha, dtype=torch.float64),
                           torch.full((16,), lam, dtype=torch.float64), none, none)
-        decode_exact(want, k_want, p, plan, torch.exp)
+        decode_exact(want, k_want, p, plan, logits=False)
         assert torch.equal(k, k_want), (mode, alpha)
         torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
 
@@ -202,14 +230,16 @@ def v1_processor(configs: list[dict]) -> BregmanLogitsProcessor:
     return proc
 
 
-def v2_processor(configs: list[dict]) -> tuple[BregmanLogitsProcessor, LogitsContext]:
+def v2_processor(configs: list[dict], temperature: float = 0.8
+                 ) -> tuple[BregmanLogitsProcessor, LogitsContext]:
     """The V2 interface with vLLM's own LogitsContext; req_states is stood in by the three
     attributes the processor reads (Model Runner V2 itself needs CUDA)."""
     proc = BregmanLogitsProcessor(EngineConfig(), SimpleNamespace(
         device=torch.device("cpu"), vocab_size=VOCAB, max_num_reqs=BATCH))
     for slot in range(BATCH):
         config = configs[slot % len(configs)]
-        proc.add_request(slot, SamplingParams(temperature=0.8, extra_args=config or None))
+        proc.add_request(slot, SamplingParams(temperature=temperature,
+                                              extra_args=config or None))
     order = list(reversed(range(BATCH)))
     mapping = torch.tensor(order, dtype=torch.int32)
     ctx = LogitsContext(
@@ -248,6 +278,49 @@ def test_steady_state_apply_plans_once_and_syncs_at_most_once(logits, interface,
         assert counter.launches <= 500, counter.launch_ops.most_common(8)
 
 
+@pytest.mark.parametrize("interface", ["v1", "v2", "v2 at T = 1"])
+@pytest.mark.parametrize("configs", [MIXED[:1], MIXED[3:4], MIXED[4:5], MIXED[5:6]],
+                         ids=["kl", "alpha3", "dual", "top_k"])
+def test_steady_state_apply_is_three_passes_in_place(logits, interface, configs):
+    """One steady-state `apply()` with every row Bregman-decoded writes into vLLM's logits in
+    place: three passes, no [n, V] tensor, on V1 and on Model Runner V2 (no gather, no
+    rescaling of the logits: the temperature enters the log-normalizer only). In eager mode a
+    temperature other than 1 costs the scaled logits inside that log-sum-exp: one more [n, V]
+    temporary, written and read (5 passes); compiled, the scaling is part of the reduction."""
+    if interface == "v1":
+        proc = v1_processor(configs)
+        call = lambda scores: proc.apply(scores)  # noqa: E731
+    else:
+        proc, ctx = v2_processor(configs, temperature=1.0 if "T = 1" in interface else 0.8)
+        call = lambda scores: proc.apply(scores, ctx)  # noqa: E731
+    call(logits.clone())
+    scores = logits.clone()
+    with DispatchCounter(full=BATCH * VOCAB) as counter:
+        out = call(scores)
+    assert out is scores
+    if interface == "v2":
+        assert counter.passes == 5 and counter.full_tensors == 1, dict(counter.pass_ops)
+        assert counter.pass_ops["aten::mul (write)"] == 1
+    else:
+        assert counter.passes == 3 and counter.full_tensors == 0, dict(counter.pass_ops)
+
+
+def test_a_partial_batch_adds_only_the_gather_of_its_rows(logits):
+    """Half the rows Bregman-decoded (V1): the plain rows are never read; the decoded rows
+    are gathered (one read, one write of those rows), decoded with the same three passes over
+    the copy, and copied back (one read, one write)."""
+    proc = v1_processor([MIXED[1], {}])
+    proc.apply(logits.clone())
+    scores = logits.clone()
+    half = (BATCH // 2) * VOCAB
+    with DispatchCounter(full=half) as counter:
+        proc.apply(scores)
+    assert counter.passes == 3 + 4, dict(counter.pass_ops)
+    assert counter.pass_ops["aten::index_select (read)"] == 1
+    assert counter.pass_ops["aten::index_copy_ (write)"] == 1
+    assert torch.equal(scores[1::2], logits[1::2])  # plain rows untouched
+
+
 @pytest.mark.parametrize("as_logits", [True, False], ids=["logits", "probabilities"])
 def test_joint_pass_equals_each_family_decoded_alone(logits, as_logits):
     """A batch mixing every configuration (and plain rows, and rows that are not
@@ -269,13 +342,13 @@ def test_joint_pass_equals_each_family_decoded_alone(logits, as_logits):
     plan = plan_requests(requests, batch=BATCH, vocab=VOCAB, device="cpu")
     # Five window groups of width 64 share a pass; KL at lambda 1e-3 has a window of 256.
     assert [len(joint.groups) for joint in plan.joints] == [5]
-    together, k_together = step_module.decode_step(scores.clone(), plan, logits=as_logits)
+    together, k_together, _ = step_module.decode_step(scores.clone(), plan, logits=as_logits)
     alone = scores.clone()
     k_alone = torch.zeros(BATCH, dtype=torch.long)
     for group in plan.groups:
         single = Plan((group,), plan.batch, plan.vocab)
         assert not single.joints
-        out, k = step_module.decode_step(scores.clone(), single, logits=as_logits)
+        out, k, _ = step_module.decode_step(scores.clone(), single, logits=as_logits)
         rows = group.rows_or_all(scores.device)
         alone[rows], k_alone[rows] = out[rows], k[rows]
     assert torch.equal(k_together, k_alone)
@@ -378,7 +451,7 @@ def test_a_failing_exact_path_never_decodes_the_batch_twice(monkeypatch):
     out = proc.apply(flat.clone())
     assert telemetry.failures_total() == before + BATCH
     # The fixed step's answer, once: a distribution on the window of each row.
-    window = proc.plan.groups[0].window
+    window = proc.plan.groups[0].width
     assert torch.isfinite(out).sum(-1).eq(window).all()
     torch.testing.assert_close(torch.logsumexp(out, -1), torch.zeros(BATCH), rtol=0, atol=1e-5)
     kept = torch.topk(flat, window, -1).indices

@@ -88,7 +88,7 @@ def bregman_decode(
         (3, [0.5167, 0.3167, 0.1667, 0.0])
     """
     plan = _public_plan(probs, alpha, lam, mode, k_max, top_k, generator)
-    out, k = decode_step(_flatten(probs), plan, logits=False)
+    out, k, _ = decode_step(_flatten(probs), plan, logits=False)
     return BregmanOutput(out.reshape(probs.shape), k.reshape(probs.shape[:-1]))
 
 
@@ -116,7 +116,7 @@ def bregman_decode_logits(
     if logits.dim() == 0:
         raise BregmanParamError("logits", "must have at least one dimension (the vocabulary)")
     plan = _public_plan(logits, alpha, lam, mode, k_max, top_k)
-    out, k = decode_step(_flatten(logits), plan, logits=True)
+    out, k, _ = decode_step(_flatten(logits), plan, logits=True)
     out = out.reshape(logits.shape)
     if return_k:
         return out, k.reshape(logits.shape[:-1])

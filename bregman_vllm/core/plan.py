@@ -60,8 +60,7 @@ class Group:
     lam: float | Tensor
     size: int | Tensor  # fixed: the support size; adaptive: the cap k_max (UNBOUNDED: none)
     capped: bool  # adaptive rows with a cap (the limit is min(cap, #positive))
-    width: int  # candidates per row
-    window: int  # adaptive: support sizes searched at once (<= width)
+    width: int  # candidates per row (adaptive: the support sizes searched at once)
     bounded: bool  # every row's cap fits the window: certified without a window check
     iterations: int = 0
     below_two: bool = False  # POWER: some alpha < 2 (b < 1)
@@ -101,6 +100,11 @@ class Plan:
     groups: tuple[Group, ...]
     batch: int  # rows of the batch the plan was made for
     vocab: int
+    #: Per batch row, the inverse temperature of the scores (logits): the step decodes
+    #: softmax(scale * logits) and writes T log q (vLLM's Model Runner V2 divides by T after
+    #: the processor). None: 1 for every row.
+    scale: Tensor | None = None
+    temperature: Tensor | None = None  # 1 / scale, on the device
 
     @functools.cached_property
     def joints(self) -> tuple[Joint, ...]:
@@ -318,9 +322,12 @@ def _rows(mode, alpha, lam, top_k, k_max, alphas, lams, tops, caps, batch, gener
 
 
 def plan_requests(requests: Sequence[tuple[int, object]], *, batch: int, vocab: int,
-                  device: torch.device | str) -> Plan:
+                  device: torch.device | str,
+                  temperatures: Sequence[float] | None = None) -> Plan:
     """The plan of a vLLM batch: ``requests`` lists (batch position, validated
     `bregman_vllm.params.BregmanParams`) for the rows to decode; other rows are left alone.
+    ``temperatures``: per batch row, the temperature the caller divides the logits by after
+    the step (`Plan.scale`); None: the logits are decoded as they are.
 
     Host work only (the parameters were validated at admission), plus pinned, non-blocking
     copies of the group positions and per-row values.
@@ -345,7 +352,11 @@ def plan_requests(requests: Sequence[tuple[int, object]], *, batch: int, vocab: 
                              [r[2] for _, r in members], [r[3] for _, r in members],
                              [r[4] for _, r in members], [r[5] for _, r in members],
                              device, None, vocab, host_rows=tuple(positions)))
-    return Plan(tuple(groups), batch, vocab)
+    scale = temperature = None
+    if temperatures is not None and any(t != 1.0 for t in temperatures):
+        scale = _to_device([1.0 / t for t in temperatures], torch.float32, device)
+        temperature = _to_device(list(temperatures), torch.float32, device)
+    return Plan(tuple(groups), batch, vocab, scale, temperature)
 
 
 def _to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -370,13 +381,13 @@ def _group(family: Family, mode: str, fixed: bool, rows: Tensor | None, count: i
            host_rows: tuple[int, ...] | None = None) -> Group:
     capped = any(c > 0 for c in caps)
     if fixed:
-        width = window = max(1, max(sizes))
+        width = max(1, max(sizes))
         bounded = True
     else:
         cap_values = [c if c > 0 else UNBOUNDED for c in caps]
         largest = min(max(cap_values), vocab)  # no support is larger than the vocabulary
-        width = window = max(1, min(_window(family, min(lams)), largest))
-        bounded = largest <= window
+        width = max(1, min(_window(family, min(lams)), largest))
+        bounded = largest <= width
         sizes = cap_values
     iterations = newton_iterations(family, alphas) if family in ITERATIVE_FAMILIES else 0
     below = family == Family.POWER and any(a < 2.0 for a in alphas)
@@ -386,7 +397,7 @@ def _group(family: Family, mode: str, fixed: bool, rows: Tensor | None, count: i
         alpha=_per_row(alphas, torch.float64, device, uniform),
         lam=_per_row(lams, torch.float64, device, uniform),
         size=_per_row(sizes, torch.long, device, uniform),
-        capped=capped, width=width, window=window, bounded=bounded, iterations=iterations,
+        capped=capped, width=width, bounded=bounded, iterations=iterations,
         below_two=below, above_two=above, generator=generator,
         host={"alpha": alphas, "lam": lams, "size": sizes, "cap": caps},
         host_rows=None if rows is None else host_rows,

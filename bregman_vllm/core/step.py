@@ -3,27 +3,29 @@
 This is the hot path (vLLM calls it once per generated token for the whole batch). The plan
 (`plan`) groups rows by formula family; groups of one window size class share one pass (a
 `plan.Joint`: a batch mixing alphas, modes and lambdas is one pass, split only for each
-family's formulas on its rows' candidates), the others (lambda = 0, the exact family, wide
-fixed top-k) run alone. Each pass, in order:
+family's formulas on its rows' candidates), the others (lambda -> 0, the exact family, wide
+fixed top-k) run alone. Each pass makes three passes over its rows of the batch, and no [n, V]
+intermediate:
 
-1. p = softmax(logits) (or the given probabilities, negatives counted as 0), rows gathered from
-   the batch only when the pass does not cover the whole batch;
-2. the candidates: the top `width` entries and the deficits R_k (`candidates`);
-3. per family, the support size and the map: fixed k, or the adaptive k* (the minimizer of
+1. `_start`: the candidates (`candidates`: block maxima, read 1; block masses, hence the
+   log-normalizer, read 2; for logits no probability tensor is made), then per family the
+   support size and the map on the candidates: fixed k, or the adaptive k* (the minimizer of
    cost(k), eq. (6) of arXiv 2505.19371) over a fixed window of sizes (`window`), with a
    certificate for rows whose answer could lie outside what the window decided;
-4. the output: log q (or q) on the support, -inf (or 0) elsewhere; rows that are not
-   distributions (NaN, no mass) come back unchanged.
+2. one host sync, only for plans that can produce uncertified rows (`_may_flag`): how many rows
+   need the exact path; those rows are then decoded by it (`exact`, value-dependent) from the
+   scores, which are still as given;
+3. `_finish`: the write (`write.write_support`, write 3): -inf (logits) or 0 off the support,
+   log q (or q) on it; rows that are not distributions (NaN, +inf, no mass) keep their values.
 
-Then one host sync, only for plans that can produce uncertified rows: if any row of any group
-is uncertified, those rows are decoded again by the exact path (`exact`, value-dependent). Plans
-whose every support fits the window (every row's k_max, or a fixed top-k, at most the window)
-never sync, whatever the family (`_support_and_map`). Everything before the sync is a fixed
-sequence of ops on fixed shapes.
+Rows are gathered from the batch only for a pass that does not cover all of it. Plans whose
+every support fits the window (every row's k_max, or a fixed top-k, at most the window) never
+sync, whatever the family. Everything before the sync is a fixed sequence of ops on fixed
+shapes. A per-row temperature (`plan.Plan.scale`, vLLM's Model Runner V2) enters the
+log-normalizer only; the values written are T log q.
 
-Extra memory of one step (besides the output) is bounded for any parameters: the
-probabilities of the decoded rows (one [n, V] tensor in the score dtype), a gathered copy of the
-scores when a group is not the whole batch, O(n W) float64 candidate arrays, O(n K^2) float64
+Extra memory of one step (besides the output) is bounded for any parameters: a gathered copy of
+the rows when a pass is not the whole batch, O(n W) float64 candidate arrays, O(n K^2) float64
 Newton arrays for the iterative families (K = window <= 64), and row chunks of at most
 `exact.MEMORY_BUDGET` bytes for fixed-k groups wider than the window and for the exact path.
 No float64 [n, V] array is ever made. `step_memory_bound` gives the bound in bytes.
@@ -41,70 +43,151 @@ from typing import NamedTuple
 
 import torch
 
-from .candidates import UNBOUNDED, Candidates, candidates
-from .exact import MEMORY_BUDGET, _keep_all, decode_exact, exact_plan
+from .candidates import UNBOUNDED, Candidates, candidates, log_smallest, select
+from .exact import MEMORY_BUDGET, decode_exact, exact_plan
 from .families import CLOSED_GAP_FAMILIES, ITERATIVE_FAMILIES, Family
 from .plan import WIDE_WINDOW, WINDOW, Group, Joint, Plan
 from .window import Decoded, closed_map, closed_search, iterative_fixed, iterative_search
+from .write import output_values, write_support
 
 Tensor = torch.Tensor
 logger = logging.getLogger(__name__)
 
 
-class _Result(NamedTuple):
-    out: Tensor  # [n, V] the group's decoded rows
+class StepResult(NamedTuple):
+    """What one `decode_step` returns."""
+
+    out: Tensor  # [N, V] the decoded batch (``scores`` itself when in place)
+    k: Tensor  # [N] support size per row, on the device (0 for rows not decoded)
+    #: Rows the fixed-shape step handed to the exact path (a host int, read at the step's one
+    #: sync; 0 when the step did not sync). Exact-family rows are not counted.
+    exact_rows: int
+
+
+class _Window(NamedTuple):
+    """The fixed-shape part of a window pass (`fixed_shape_group`, `joint_groups`)."""
+
+    index: Tensor  # [n, W] candidate positions
+    log_q: Tensor  # [n, W] log T_k* on them (-inf past k*)
     k: Tensor  # [n]
+    valid: Tensor  # [n] rows that are distributions
     needs: Tensor | None  # [n] rows to decode again with the exact path (None: none can)
-    p: Tensor | None  # [n, V] probabilities, kept for the exact path
-    past: Tensor | None = None  # [n] rows whose k* is certified to be >= the window
+    past: Tensor | None  # [n] rows among those whose k* is certified >= the window
+
+
+@dataclass
+class _Pass:
+    """One pass of the step over some rows of the batch."""
+
+    owner: Group | Joint
+    rows: Tensor | None  # batch rows (None: every row, in order)
+    source: Tensor  # the pass's scores: the batch itself, or a gathered copy of its rows
+    scale: Tensor | None  # the rows' inverse temperatures
+    temperature: Tensor | None  # and temperatures
+    k: Tensor  # [n]
+    window: _Window | None = None  # window passes
+    shift: Tensor | None = None  # keep-all passes (logits): what is subtracted from each row
+    done: Tensor | None = None  # rows the exact path finished
+    written: bool = False  # the pass wrote its rows itself (chunked wide fixed-k)
+    exact_rows: int = 0  # rows a chunked pass handed to the exact path
 
 
 def decode_step(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = False
-                ) -> tuple[Tensor, Tensor]:
+                ) -> StepResult:
     """Decode the rows of ``scores`` ([N, V] logits, or probabilities with ``logits=False``)
-    that the plan's groups name. Returns (decoded [N, V], k [N]); rows outside every group are
-    left as they are (and get k = 0). With ``inplace`` the result is written into ``scores``.
+    that the plan's groups name; rows outside every group are left as they are (and get
+    k = 0). With ``inplace`` the result is written into ``scores``.
 
-    Exceptions propagate. With ``inplace``, one raised by the exact path after the fixed step
-    wrote the whole batch carries ``bregman_uncertified_rows`` (the rows that keep the fixed
-    step's uncertified answer, a distribution on the window): ``scores`` is then decoded and
-    must not be decoded again.
+    Exceptions propagate. With ``inplace``, one raised by the exact path is raised after the
+    other rows were written, and carries ``bregman_uncertified_rows`` (the rows the exact path
+    did not finish, which keep the fixed step's uncertified answer, a distribution on the
+    window, or their own values for exact-family rows): ``scores`` is then decoded and must not
+    be decoded again.
     """
-    # (result, group or joint pass, batch rows of the result: None = every row in order)
-    results: list[tuple[_Result, Group | Joint, Tensor | None]] = [
-        (_decode_group(scores, group, logits, inplace), group, group.rows)
-        for group in plan.alone]
-    results += [(_decode_joint(scores, joint, logits, inplace), joint, joint.rows)
-                for joint in plan.joints]
-    # The step's only host sync: whether any row needs the exact path.
-    flags = [result.needs.any() for result, _, _ in results if result.needs is not None]
-    if flags and bool(torch.stack(flags).any() if len(flags) > 1 else flags[0]):
+    passes = [_start(scores, owner, plan, logits, inplace)
+              for owner in (*plan.alone, *plan.joints)]
+    # The step's only host sync, for plans that can produce uncertified rows.
+    counts = [p.window.needs.sum() for p in passes
+              if p.window is not None and p.window.needs is not None]
+    exact_rows = 0 if not counts else int(counts[0] if len(counts) == 1 else
+                                          torch.stack(counts).sum())
+    exact_rows += sum(p.exact_rows for p in passes)
+    whole = len(passes) == 1 and passes[0].rows is None
+    exact_family = any(p.owner.family == Family.EXACT for p in passes
+                       if isinstance(p.owner, Group))
+    if inplace:
+        out = scores
+    elif whole and not exact_rows and not exact_family:
+        out = None  # made by the write (one read of the scores, one write)
+    else:
+        out = scores.clone()
+    failure: Exception | None = None
+    for p in passes:
         try:
-            results = [(_redo(result, owner, logits), owner, rows)
-                       for result, owner, rows in results]
-        except Exception as error:
-            if inplace and any(rows is None for _, _, rows in results):
-                # ``scores`` already holds the step's output: tell the caller not to decode
-                # it again, and how many rows kept the window's uncertified answer.
-                error.bregman_uncertified_rows = sum(  # type: ignore[attr-defined]
-                    int(result.needs.sum()) for result, _, _ in results
-                    if result.needs is not None)
-            raise
-    if len(results) == 1 and results[0][2] is None:
-        return results[0][0].out, results[0][0].k  # (``scores`` itself when inplace)
-    out = scores if inplace else scores.clone()
+            _exact(p, out, logits, exact_rows > 0)
+        except Exception as error:  # the other passes are still written
+            failure = failure or error
+    for p in passes:
+        out = _finish(p, out, scores, logits)
+    if failure is not None:
+        if inplace:
+            # ``scores`` holds the step's output: tell the caller not to decode it again, and
+            # how many rows the exact path left.
+            failure.bregman_uncertified_rows = sum(  # type: ignore[attr-defined]
+                _unfinished(p) for p in passes)
+        raise failure
+    if whole:
+        return StepResult(out, passes[0].k, exact_rows)
     k = torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device)
-    for result, _, rows in results:
-        rows = torch.arange(scores.shape[0], device=scores.device) if rows is None else rows
-        out.index_copy_(0, rows, result.out)
-        k.index_copy_(0, rows, result.k)
-    return out, k
+    for p in passes:
+        k.index_copy_(0, _all_rows(p, scores), p.k)
+    return StepResult(out, k, exact_rows)
 
 
-def _decode_joint(scores: Tensor, joint: Joint, logits: bool, inplace: bool) -> _Result:
+def _all_rows(p: _Pass, scores: Tensor) -> Tensor:
+    if p.rows is not None:
+        return p.rows
+    return torch.arange(scores.shape[0], device=scores.device)
+
+
+# ----------------------------------------------------------------------------- 1. start
+
+
+def _scale_of(owner: Group | Joint, plan: Plan) -> tuple[Tensor | None, Tensor | None]:
+    """The inverse temperatures and temperatures of a pass's rows, gathered once per plan."""
+    if plan.scale is None or plan.temperature is None:
+        return None, None
+    if "scale" not in owner.derived:
+        owner.derived["scale"] = tuple(
+            values if owner.rows is None else values.index_select(0, owner.rows)
+            for values in (plan.scale, plan.temperature))
+    return owner.derived["scale"]
+
+
+def _start(scores: Tensor, owner: Group | Joint, plan: Plan, logits: bool, inplace: bool
+           ) -> _Pass:
+    """Step 1 for one pass: everything before the sync (no write, except for wide fixed-k
+    groups, which run in row chunks start to end)."""
+    source = scores if owner.rows is None else scores.index_select(0, owner.rows)
+    scale, temperature = _scale_of(owner, plan)
+    if isinstance(owner, Joint):
+        window = _window_pass(source, owner, logits, scale)
+        return _Pass(owner, owner.rows, source, scale, temperature, window.k, window=window)
+    if owner.family == Family.KEEP_ALL:
+        return _keep_all_start(owner, source, logits, scale, temperature)
+    if owner.family == Family.EXACT:
+        return _Pass(owner, owner.rows, source, scale, temperature,
+                     torch.zeros(source.shape[0], dtype=torch.long, device=source.device))
+    static = _Static.of(owner)
+    chunk = max(1, MEMORY_BUDGET // (static.width * _WIDE_BYTES_PER_ENTRY))
+    if source.shape[0] > chunk:
+        return _chunked(owner, static, source, logits, scale, temperature, chunk, inplace)
+    window = _fast(source, static, owner.alpha, owner.lam, owner.size, logits, scale)
+    return _Pass(owner, owner.rows, source, scale, temperature, window.k, window=window)
+
+
+def _window_pass(source: Tensor, joint: Joint, logits: bool, scale: Tensor | None) -> _Window:
     """The joint pass (`joint_groups`) over the union of its groups' rows."""
-    rows = scores if joint.rows is None else scores.index_select(0, joint.rows)
-    writable = inplace or (joint.rows is not None and logits)
     if "static" not in joint.derived:  # once per plan
         joint.derived["static"] = _JointStatic(
             tuple(_Static.of(group) for group in joint.groups), joint.width)
@@ -112,71 +195,35 @@ def _decode_joint(scores: Tensor, joint: Joint, logits: bool, inplace: bool) -> 
             tuple(getattr(group, name) for group in joint.groups)
             for name in ("alpha", "lam", "size"))
     static = joint.derived["static"]
-    args = (joint.positions, *joint.derived["values"], logits, writable)
-    if compile_enabled(rows.device) and not _COMPILED.get("failed"):
+    args = (joint.positions, *joint.derived["values"], logits, scale)
+    if compile_enabled(source.device) and not _COMPILED.get("failed"):
         try:
-            return _Result(*compiled_group(static)(rows, *args))
+            return _Window(*compiled_group(static)(source, *args))
         except Exception:  # a compiler that cannot handle this device: stay eager for good
             logger.warning("torch.compile of the Bregman step failed; running it eagerly",
                            exc_info=True)
             _COMPILED["failed"] = True
-    return _Result(*joint_groups(rows, static, *args))
+    return _Window(*joint_groups(source, static, *args))
 
 
-def _redo(result: _Result, owner: Group | Joint, logits: bool) -> _Result:
-    """`_redo_uncertified` for a group, or for each group of the joint pass on its rows."""
-    if isinstance(owner, Group):
-        return _redo_uncertified(result, owner, logits)
-    for group, where in zip(owner.groups, owner.positions, strict=True):
-        if _may_flag(_Static.of(group)):
-            result = _redo_uncertified(result, group, logits, where)
-    return result
+def _keep_all_start(group: Group, source: Tensor, logits: bool, scale: Tensor | None,
+                    temperature: Tensor | None) -> _Pass:
+    """Every positive entry kept, renormalized (lambda -> 0, `families.keeps_all`): for
+    logits, the log-normalizer (read 1) and the number of entries whose probability is nonzero
+    in the score dtype (read 2); the write subtracts T times the normalizer."""
+    if not logits:
+        return _Pass(group, group.rows, source, scale, temperature,
+                     torch.zeros(source.shape[0], dtype=torch.long, device=source.device))
+    scaled = source if scale is None else source * scale.unsqueeze(-1)
+    total = torch.logsumexp(scaled, -1)
+    valid = torch.isfinite(total)
+    threshold = (total + log_smallest(source.dtype)).unsqueeze(-1)
+    k = torch.where(valid, (scaled >= threshold).sum(-1), 0)
+    shift = torch.where(valid, total if temperature is None else total * temperature, 0.0)
+    return _Pass(group, group.rows, source, scale, temperature, k, shift=shift)
 
 
-def _decode_group(scores: Tensor, group: Group, logits: bool, inplace: bool) -> _Result:
-    rows = scores if group.rows is None else scores.index_select(0, group.rows)
-    # A gathered copy is ours to overwrite, unless it doubles as the probabilities (which the
-    # exact path may still need).
-    writable = inplace or (group.rows is not None and logits)
-    if group.family == Family.KEEP_ALL:
-        out, k = _keep_all_logits(rows) if logits else _keep_all(rows)
-        if writable and out is not rows:
-            out = rows.copy_(out)
-        return _Result(out, k, None, None)
-    if group.family == Family.EXACT:
-        result = _exact_rows(rows, _probabilities(rows, logits, writable), group, logits)
-        if writable:
-            rows.copy_(result.out)
-            result = result._replace(out=rows)
-        return result
-    static = _Static.of(group)
-    chunk = max(1, MEMORY_BUDGET // (static.width * _WIDE_BYTES_PER_ENTRY))
-    if rows.shape[0] <= chunk:
-        return _Result(*_fast(rows, static, group.alpha, group.lam, group.size, logits,
-                              writable))
-    # A wide fixed top-k: rows in chunks, so its [rows, width] float64 arrays stay bounded.
-    out = rows if writable else rows.clone()
-    parts = [_fast(out[piece], static, _rows_of(group.alpha, piece), _rows_of(group.lam, piece),
-                   _rows_of(group.size, piece), logits, True)
-             for piece in (slice(start, start + chunk)
-                           for start in range(0, rows.shape[0], chunk))]
-    k = torch.cat([part[1] for part in parts])
-    needs = None if parts[0][2] is None else torch.cat([part[2] for part in parts])
-    # Fixed-k rows: no window search, so no ``past`` bound (parts[0][4] is None).
-    return _Result(out, k, needs, torch.cat([part[3] for part in parts]))
-
-
-def _rows_of(value, piece: slice):
-    return value[piece] if isinstance(value, Tensor) else value
-
-
-def _probabilities(rows: Tensor, logits: bool, writable: bool) -> Tensor:
-    """softmax(rows), or the given probabilities (copied when the rows will be overwritten).
-    Negative probabilities are never candidates (they sort last) and their values are clamped
-    to 0 where they are (`candidates.candidates`)."""
-    if logits:
-        return torch.softmax(rows, -1)
-    return rows.clone() if writable else rows
+# ----------------------------------------------------------------------------- fixed shapes
 
 
 @dataclass(frozen=True)
@@ -188,7 +235,6 @@ class _Static:
     capped: bool
     bounded: bool
     width: int
-    window: int
     iterations: int
     below_two: bool
     above_two: bool
@@ -200,47 +246,8 @@ class _Static:
         if static is None:
             static = group.derived["static"] = cls(
                 group.family, group.fixed, group.capped, group.bounded, group.width,
-                group.window, group.iterations, group.below_two, group.above_two)
+                group.iterations, group.below_two, group.above_two)
         return static
-
-
-def fixed_shape_group(rows: Tensor, static: _Static, alpha, lam, size, logits: bool,
-                      writable: bool
-                      ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
-    """Steps 1-4 of the module docstring for one group: a fixed sequence of ops on fixed
-    shapes, no host sync. Returns (decoded rows, k, rows needing the exact path or None, the
-    probabilities, rows among those whose k* is certified >= the window or None)."""
-    p = _probabilities(rows, logits, writable)
-    cand = candidates(p, static.width)
-    valid = _valid(cand, logits)
-    decoded = _support_and_map(cand, static, alpha, lam, size)
-    out = _write(rows, cand.index[:, : decoded.log_q.shape[-1]], decoded.log_q, valid, logits,
-                 writable)
-    needs = None if decoded.uncertain is None else decoded.uncertain & valid
-    return out, decoded.k * valid, needs, p, decoded.past
-
-
-def _valid(cand: Candidates, logits: bool) -> Tensor:
-    """Rows that are distributions (others are returned as given)."""
-    return (cand.total > 0) if logits else (cand.total > 0) & (cand.total < math.inf)
-
-
-def _write(rows: Tensor, index: Tensor, log_q: Tensor, valid: Tensor, logits: bool,
-           writable: bool) -> Tensor:
-    """Step 4: log q (or q) at ``index``, -inf (or 0) elsewhere, on the valid rows."""
-    values = log_q if logits else torch.exp(log_q)
-    # Rows that are not distributions get their own values back.
-    values = torch.where(valid.unsqueeze(-1), values.to(rows.dtype), torch.gather(rows, 1, index))
-    # Off the support: -inf (logits) or 0 (probabilities) on valid rows, the row's own values
-    # elsewhere; as one-sided bounds per row, each one fast pass (measured on CPU at
-    # [64, 128256]: an in-place one-sided clamp 0.3 ms; a two-sided clamp with tensor bounds,
-    # a broadcast where or masked_fill 2.4 to 4.4 ms).
-    high = torch.where(valid, -math.inf if logits else 0.0, math.inf).unsqueeze(-1)
-    high = high.to(rows.dtype)
-    out = rows.clamp_(max=high) if writable else torch.minimum(rows, high)
-    if not logits:
-        out = out.clamp_(min=torch.where(valid, 0.0, -math.inf).unsqueeze(-1).to(rows.dtype))
-    return out.scatter_(1, index, values)
 
 
 @dataclass(frozen=True)
@@ -249,6 +256,17 @@ class _JointStatic:
 
     statics: tuple[_Static, ...]
     width: int
+
+
+def fixed_shape_group(rows: Tensor, static: _Static, alpha, lam, size, logits: bool,
+                      scale: Tensor | None):
+    """Step 1 for one group: a fixed sequence of ops on fixed shapes, no host sync, no write.
+    Returns the fields of `_Window`."""
+    cand = candidates(rows, static.width, logits=logits, scale=scale)
+    decoded = _support_and_map(cand, static, alpha, lam, size)
+    needs = None if decoded.uncertain is None else decoded.uncertain & cand.valid
+    return (cand.index[:, : decoded.log_q.shape[-1]], decoded.log_q, decoded.k * cand.valid,
+            cand.valid, needs, decoded.past)
 
 
 def _may_flag(static: _Static) -> bool:
@@ -261,16 +279,13 @@ def _may_flag(static: _Static) -> bool:
 
 
 def joint_groups(rows: Tensor, joint: _JointStatic, positions: tuple[Tensor, ...],
-                 alphas: tuple, lams: tuple, sizes: tuple, logits: bool, writable: bool
-                 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
-    """Steps 1-4 for several groups in one pass: one softmax and one candidate set of
-    ``joint.width`` for all ``rows``, each group's support and map on its own rows'
-    candidates (``positions``: the group's rows within ``rows``), one write of the output.
-    A fixed sequence of ops on fixed shapes, no host sync. Returns what `fixed_shape_group`
-    returns, for all the rows."""
-    p = _probabilities(rows, logits, writable)
-    cand = candidates(p, joint.width)
-    valid = _valid(cand, logits)
+                 alphas: tuple, lams: tuple, sizes: tuple, logits: bool,
+                 scale: Tensor | None):
+    """Step 1 for several groups in one pass: one candidate set of ``joint.width`` for all
+    ``rows``, each group's support and map on its own rows' candidates (``positions``: the
+    group's rows within ``rows``). A fixed sequence of ops on fixed shapes, no host sync.
+    Returns the fields of `_Window` for all the rows."""
+    cand = candidates(rows, joint.width, logits=logits, scale=scale)
     n, width = cand.x.shape
     log_q = cand.x.new_full((n, width), -math.inf)
     k = torch.zeros(n, dtype=torch.long, device=rows.device)
@@ -279,7 +294,7 @@ def joint_groups(rows: Tensor, joint: _JointStatic, positions: tuple[Tensor, ...
     past = torch.zeros(n, dtype=torch.bool, device=rows.device) if flags else None
     for i, static in enumerate(joint.statics):
         where = positions[i]
-        decoded = _support_and_map(_select(cand, where, static.width), static, alphas[i],
+        decoded = _support_and_map(select(cand, where, static.width), static, alphas[i],
                                    lams[i], sizes[i])
         short = width - decoded.log_q.shape[-1]
         rows_log_q = decoded.log_q if short == 0 else \
@@ -291,34 +306,18 @@ def joint_groups(rows: Tensor, joint: _JointStatic, positions: tuple[Tensor, ...
         if decoded.past is not None and past is not None:
             past.index_copy_(0, where, decoded.past)
     # Past a group's own support its candidates are off the support: -inf there is right.
-    out = _write(rows, cand.index, log_q, valid, logits, writable)
-    return out, k * valid, None if needs is None else needs & valid, p, past
-
-
-def _select(cand: Candidates, where: Tensor, width: int) -> Candidates:
-    """The candidates of the rows ``where``, cut to the first ``width`` (what `candidates`
-    gives for that width: the deficits do not depend on it, the count of known positive
-    entries does)."""
-    x = cand.x[:, :width].index_select(0, where)
-    deficit = cand.deficit[:, :width].index_select(0, where)
-    index = cand.index[:, :width].index_select(0, where)
-    total = cand.total.index_select(0, where)
-    if width == cand.x.shape[-1]:
-        return Candidates(x, index, deficit, total, cand.known.index_select(0, where))
-    # Every positive entry is among the first ``width`` unless all are positive and mass
-    # (R_width) lies beyond them.
-    incomplete = (x[:, -1] > 0) & (deficit[:, -1] > 0)
-    known = (x > 0).sum(-1).masked_fill_(incomplete, UNBOUNDED)
-    return Candidates(x, index, deficit, total, known)
+    return (cand.index, log_q, k * cand.valid, cand.valid,
+            None if needs is None else needs & cand.valid, past)
 
 
 def _support_and_map(cand: Candidates, static: _Static, alpha, lam, size) -> Decoded:
-    """Step 3. Iterative families whose every support fits the first window (adaptive groups
-    with `Group.bounded`, fixed sizes up to `WINDOW`) take the fixed Newton iterations' answer
-    as final without computing their certificates (convergence, near-ties), so such groups
-    never sync. Evidence, not a proof: on a sweep of extreme inputs the certificates never fail
-    there (`tests/test_gpu_readiness.py` computes them and requires it). Elsewhere a row the
-    window may not hold still goes to the exact path."""
+    """The support size and the map on the candidates. Iterative families whose every support
+    fits the first window (adaptive groups with `Group.bounded`, fixed sizes up to `WINDOW`)
+    take the fixed Newton iterations' answer as final without computing their certificates
+    (convergence, near-ties), so such groups never sync. Evidence, not a proof: on a sweep of
+    extreme inputs the certificates never fail there (`tests/test_gpu_readiness.py` computes
+    them and requires it). Elsewhere a row the window may not hold still goes to the exact
+    path."""
     family = static.family
     if static.fixed:
         k = torch.minimum(cand.known, size) if isinstance(size, Tensor) \
@@ -335,10 +334,191 @@ def _support_and_map(cand: Candidates, static: _Static, alpha, lam, size) -> Dec
     else:
         limit = cand.known.clamp_max(size)
     if family in CLOSED_GAP_FAMILIES:
-        return closed_search(family, cand, lam, limit, static.window, static.bounded)
-    return iterative_search(family, cand, alpha, lam, limit, static.window, static.iterations,
+        return closed_search(family, cand, lam, limit, static.width, static.bounded)
+    return iterative_search(family, cand, alpha, lam, limit, static.width, static.iterations,
                             static.bounded, static.below_two, static.above_two,
                             certify=_may_flag(static))
+
+
+#: Peak bytes per (row, candidate) of a fixed-k group (measured: 59 for dual 3/2, k = 20000).
+_WIDE_BYTES_PER_ENTRY = 96
+
+
+def _chunked(group: Group, static: _Static, source: Tensor, logits: bool,
+             scale: Tensor | None, temperature: Tensor | None, chunk: int, inplace: bool
+             ) -> _Pass:
+    """A fixed top-k wider than the memory budget allows for every row at once: each chunk of
+    rows start to end (candidates, map, its own sync and exact path when the family may flag,
+    write), so its [rows, width] float64 arrays stay bounded. The pass writes its rows itself:
+    into ``source`` (the batch in place, or a copy of it, or the gathered rows)."""
+    if group.rows is None and not inplace:
+        source = source.clone()
+    k = torch.zeros(source.shape[0], dtype=torch.long, device=source.device)
+    exact_rows = 0
+    for start in range(0, source.shape[0], chunk):
+        piece = slice(start, start + chunk)
+        part = source[piece]
+        part_scale = None if scale is None else scale[piece]
+        part_temperature = None if temperature is None else temperature[piece]
+        window = _Window(*fixed_shape_group(
+            part, static, _rows_of(group.alpha, piece), _rows_of(group.lam, piece),
+            _rows_of(group.size, piece), logits, part_scale))
+        keep = window.valid
+        if window.needs is not None and bool(window.needs.any()):  # (a sync per chunk)
+            redo = window.needs.nonzero().squeeze(-1)
+            exact_rows += redo.numel()
+            done = torch.zeros_like(keep)
+            part_k = window.k.clone()
+            decode_exact(part, part_k, part, _exact_inputs(group, part.device, piece),
+                         logits=logits, scale=part_scale, rows=redo, done=done)
+            keep = keep & ~done
+            window = window._replace(k=torch.where(done, part_k, window.k))
+        _write_window(part, window, keep, logits, part_temperature)
+        k[piece] = window.k
+    return _Pass(group, group.rows, source, scale, temperature, k, written=True,
+                 exact_rows=exact_rows)
+
+
+def _rows_of(value, piece: slice):
+    return value[piece] if isinstance(value, Tensor) else value
+
+
+# ----------------------------------------------------------------------------- 2. exact path
+
+
+def _exact(p: _Pass, out: Tensor | None, logits: bool, any_flagged: bool) -> None:
+    """Step 2 for one pass: its uncertified rows (after the sync), or every row of an
+    exact-family group, through the exact path, from the pass's scores (still as given) into
+    the pass's output rows."""
+    exact_family = isinstance(p.owner, Group) and p.owner.family == Family.EXACT
+    flagged = p.window is not None and p.window.needs is not None and any_flagged
+    if not (exact_family or flagged):
+        return
+    target = out if p.rows is None else p.source
+    p.done = torch.zeros(p.k.shape[0], dtype=torch.bool, device=p.k.device)
+    if exact_family:
+        decode_exact(target, p.k, p.source, _exact_inputs(p.owner, p.source.device),
+                     logits=logits, scale=p.scale, done=p.done)
+        return
+    groups = [(p.owner, None)] if isinstance(p.owner, Group) else \
+        [(group, where) for group, where in zip(p.owner.groups, p.owner.positions, strict=True)
+         if _may_flag(_Static.of(group))]
+    k = p.k.clone()
+    try:
+        for group, where in groups:
+            needs = p.window.needs if where is None else p.window.needs.index_select(0, where)
+            redo = needs.nonzero().squeeze(-1)
+            if redo.numel() == 0:
+                continue
+            if where is not None:  # positions in the joint pass, in order (`decode_exact`)
+                redo = torch.sort(where.index_select(0, redo)).values
+            past = p.window.past
+            low = None if past is None else torch.where(past, group.width, 1)
+            # Uncertified rows are distributions (``needs`` excludes the others).
+            decode_exact(target, k, p.source,
+                         _exact_inputs(group, p.source.device, where=where, total=k.shape[0]),
+                         logits=logits, scale=p.scale, rows=redo, low=low, done=p.done)
+    finally:
+        p.k = torch.where(p.done, k, p.k)
+
+
+def _exact_inputs(group: Group, device: torch.device, piece: slice | None = None,
+                  where: Tensor | None = None, total: int = 0):
+    """The group's parameters for the exact path, one per row of the group (or of its rows
+    ``piece``), or (``where``) spread over ``total`` rows of which ``where`` are the group's
+    (the others get the group's first values and are never decoded)."""
+    def per_row(name: str, dtype: torch.dtype) -> Tensor:
+        values = torch.tensor(group.host[name], dtype=dtype, device=device)
+        if values.numel() == 1:  # shared by the whole group
+            values = values.expand(group.count)
+        if piece is not None:
+            values = values[piece]
+        if where is not None:
+            values = values[:1].expand(total).clone().index_copy_(0, where, values)
+        return values
+
+    alpha = per_row("alpha", torch.float64)
+    lam = per_row("lam", torch.float64)
+    size = per_row("size", torch.long)
+    cap = per_row("cap", torch.long)
+    fixed = size if group.fixed else torch.zeros_like(size)
+    return exact_plan(group.mode, alpha, lam, fixed, cap, group.generator)
+
+
+def _unfinished(p: _Pass) -> int:
+    """Rows of a pass the exact path should have decoded and did not (after a failure)."""
+    if p.done is None:
+        return 0
+    if isinstance(p.owner, Group) and p.owner.family == Family.EXACT:
+        return int(((p.k == 0) & ~p.done).sum())
+    return int((p.window.needs & ~p.done).sum())
+
+
+# ----------------------------------------------------------------------------- 3. write
+
+
+def _finish(p: _Pass, out: Tensor | None, scores: Tensor, logits: bool) -> Tensor:
+    """Step 3 for one pass: write its rows (the fixed answer where the exact path did not
+    replace it) into ``out``, or into the gathered rows, then copied into ``out``; ``out``
+    None: made here from the scores (one read, one write)."""
+    exact_family = isinstance(p.owner, Group) and p.owner.family == Family.EXACT
+    target = p.source if p.rows is not None else out
+    if p.written:  # a chunked pass wrote ``p.source`` itself
+        if p.rows is None:
+            if out is None:
+                return p.source
+            if out is not p.source:
+                out.copy_(p.source)
+            return out
+    elif exact_family:
+        pass  # the exact path wrote ``target``
+    elif p.window is not None:
+        keep = p.window.valid if p.done is None else p.window.valid & ~p.done
+        written = _write_window(target, p.window, keep, logits, p.temperature,
+                                source=scores if target is None else None)
+        if target is None:
+            out = written
+    elif p.shift is not None:  # keep all, logits: log q = T (scale * logits - log-normalizer)
+        shift = p.shift.unsqueeze(-1).to(scores.dtype)
+        if target is None:
+            out = scores - shift
+        else:
+            target.sub_(shift)
+    else:  # keep all, probabilities
+        normalized, p.k = _keep_all(p.source)
+        if target is None:
+            out = normalized
+        else:
+            target.copy_(normalized)
+    if p.rows is not None:
+        out.index_copy_(0, p.rows, p.source)
+    return out
+
+
+def _write_window(target: Tensor | None, window: _Window, keep: Tensor, logits: bool,
+                  temperature: Tensor | None, source: Tensor | None = None) -> Tensor:
+    dtype = (target if target is not None else source).dtype
+    values = output_values(window.log_q, logits, dtype, temperature)
+    return write_support(target, window.index, values, -math.inf if logits else 0.0,
+                         keep=keep, source=source)
+
+
+def _keep_all(p2: Tensor) -> tuple[Tensor, Tensor]:
+    """Probabilities, lambda -> 0 without a cap: k* is the whole support, renormalized.
+
+    One pass in the input dtype (the float32 sum is a cascade: relative error ~1e-7, and never
+    below the largest entry, so every quotient is in [0, 1]); rows that are not distributions
+    are returned unchanged with k = 0. k counts the nonzero entries of the output.
+    """
+    normalized = p2.clamp_min(0)
+    total = normalized.sum(-1, keepdim=True)
+    usable = torch.isfinite(total) & (total > 0)
+    normalized.div_(torch.where(usable, total, 1.0))
+    # sign() sums exactly in float (counts < 2^24); bool reductions are 10x slower on CPU.
+    support = torch.where(usable.squeeze(-1), normalized.sign().sum(-1), 0.0).long()
+    if not bool(usable.all()):
+        normalized = torch.where(usable, normalized, p2)
+    return normalized, support
 
 
 # ----------------------------------------------------------------------------- compilation
@@ -348,11 +528,7 @@ _COMPILED: dict[object, object] = {}
 
 def compile_enabled(device: torch.device) -> bool:
     """``BREGMAN_COMPILE``: "1" compiles the fixed-shape groups with torch.compile (fullgraph)
-    everywhere, "auto" on CUDA only, "0" (the default) never.
-
-    Off by default: a group is compiled at its first use, inside a decoding step (about 10 s
-    per family on a CPU), so every request on the engine would wait for it, and the compiled
-    path has not yet been measured on a GPU (`benchmarks/bench_core.py --compile 1`)."""
+    everywhere, "auto" on CUDA only, "0" (the default) never."""
     return _compile_choice(os.environ.get("BREGMAN_COMPILE", "0"), device.type)
 
 
@@ -367,18 +543,18 @@ def _compile_choice(setting: str, device_type: str) -> bool:
     return device_type == "cuda"
 
 
-def _group_entry(rows: Tensor, alpha, lam, size, logits: bool, writable: bool):
-    return fixed_shape_group(rows, STATIC, alpha, lam, size, logits, writable)  # noqa: F821
+def _group_entry(rows: Tensor, alpha, lam, size, logits: bool, scale):
+    return fixed_shape_group(rows, STATIC, alpha, lam, size, logits, scale)  # noqa: F821
 
 
-def _joint_entry(rows: Tensor, positions, alphas, lams, sizes, logits: bool, writable: bool):
+def _joint_entry(rows: Tensor, positions, alphas, lams, sizes, logits: bool, scale):
     return joint_groups(rows, STATIC, positions, alphas, lams, sizes, logits,  # noqa: F821
-                        writable)
+                        scale)
 
 
 def compiled_group(static: _Static | _JointStatic):
     """`fixed_shape_group` for one group shape (or `joint_groups` for one joint shape) under
-    torch.compile (fullgraph), made on first use (about 10 s per family on a CPU).
+    torch.compile (fullgraph), made on first use.
 
     Each shape gets a function of its own (its own code object, with ``static`` a constant of
     its globals), so torch.compile's caches of two families never meet: the graph is
@@ -398,113 +574,25 @@ def compiled_group(static: _Static | _JointStatic):
     return compiled
 
 
-def _fast(rows: Tensor, static: _Static, alpha, lam, size, logits: bool, writable: bool
-          ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
+def _fast(rows: Tensor, static: _Static, alpha, lam, size, logits: bool,
+          scale: Tensor | None) -> _Window:
     if compile_enabled(rows.device) and not _COMPILED.get("failed"):
         try:
-            return compiled_group(static)(rows, alpha, lam, size, logits, writable)
+            return _Window(*compiled_group(static)(rows, alpha, lam, size, logits, scale))
         except Exception:  # a compiler that cannot handle this device: stay eager for good
             logger.warning("torch.compile of the Bregman step failed; running it eagerly",
                            exc_info=True)
             _COMPILED["failed"] = True
-    return fixed_shape_group(rows, static, alpha, lam, size, logits, writable)
-
-
-# ----------------------------------------------------------------------------- exact path
-
-
-def _exact_inputs(group: Group, device: torch.device, where: Tensor | None = None,
-                  total_rows: int = 0):
-    """The group's parameters for the exact path, one per row of the group, or (``where``)
-    spread over ``total_rows`` rows of which ``where`` are the group's (the others get the
-    group's first values and are never decoded)."""
-    def per_row(name: str, dtype: torch.dtype) -> Tensor:
-        values = torch.tensor(group.host[name], dtype=dtype, device=device)
-        if values.numel() == 1:  # shared by the whole group
-            values = values.expand(group.count)
-        if where is not None:
-            values = values[:1].expand(total_rows).clone().index_copy_(0, where, values)
-        return values
-
-    alpha = per_row("alpha", torch.float64)
-    lam = per_row("lam", torch.float64)
-    size = per_row("size", torch.long)
-    cap = per_row("cap", torch.long)
-    fixed = size if group.fixed else torch.zeros_like(size)
-    return exact_plan(group.mode, alpha, lam, fixed, cap, group.generator)
-
-
-def _writer(logits: bool, dtype: torch.dtype):
-    if logits:
-        return lambda log_q: log_q.to(dtype)
-    return lambda log_q: torch.exp(log_q).to(dtype)
-
-
-def _exact_rows(rows: Tensor, p: Tensor, group: Group, logits: bool) -> _Result:
-    """EXACT-family rows: the whole group through the exact path."""
-    out, k = _filled(rows, p, logits)
-    decode_exact(out, k, p, _exact_inputs(group, rows.device), _writer(logits, rows.dtype))
-    return _Result(out, k, None, None)
-
-
-def _filled(rows: Tensor, p: Tensor, logits: bool) -> tuple[Tensor, Tensor]:
-    """Output rows pre-filled off the support; rows that are not distributions kept as given."""
-    total = p.sum(-1, dtype=torch.float64)
-    valid = (total > 0) & (total < math.inf)
-    out = torch.where(valid.unsqueeze(-1), -math.inf if logits else 0.0, rows)
-    return out, torch.zeros(rows.shape[0], dtype=torch.long, device=rows.device)
-
-
-def _redo_uncertified(result: _Result, group: Group, logits: bool,
-                      where: Tensor | None = None) -> _Result:
-    """Decode the group's uncertified rows again with the exact path (after the sync), in
-    place: their window answer is cleared and the exact supports written over it. Rows the
-    window showed to need more sizes than it has skip the exact path's first round.
-    ``where``: the group's rows within ``result`` when it holds a joint pass (None: all)."""
-    if result.needs is None:
-        return result
-    needs = result.needs if where is None else result.needs.index_select(0, where)
-    redo = needs.nonzero().squeeze(-1)
-    if redo.numel() == 0:
-        return result
-    n = result.out.shape[0]
-    if where is not None:  # positions in the joint result, in order (`exact.decode_exact`)
-        redo = torch.sort(where.index_select(0, redo)).values
-    low = None if result.past is None else torch.where(result.past, group.window, 1)
-    # Uncertified rows are distributions (``needs`` excludes the others): cleared off the
-    # support as the exact path writes them. No row is gathered: the exact path reads and
-    # writes the rows ``redo`` in place.
-    decode_exact(result.out, result.k, result.p,
-                 _exact_inputs(group, result.p.device, where, n),
-                 _writer(logits, result.out.dtype), rows=redo, low=low,
-                 clear=-math.inf if logits else 0.0)
-    return result
-
-
-# ----------------------------------------------------------------------------- keep all
-
-
-def _keep_all_logits(rows: Tensor) -> tuple[Tensor, Tensor]:
-    """lambda = 0 without a cap: the whole support, renormalized (log_softmax); rows that are
-    not distributions come back unchanged with k = 0."""
-    total = torch.logsumexp(rows, -1, keepdim=True)
-    usable = torch.isfinite(total)
-    out = torch.where(usable, rows - total, rows)
-    # Count the entries whose probability is nonzero in the score dtype (as a softmax gives).
-    support = torch.where(usable.squeeze(-1), torch.softmax(rows, -1).sign().sum(-1), 0.0)
-    return out, support.long()
-
-
-#: Peak bytes per (row, candidate) of a fixed-k group (measured: 59 for dual 3/2, k = 20000).
-_WIDE_BYTES_PER_ENTRY = 96
+    return _Window(*fixed_shape_group(rows, static, alpha, lam, size, logits, scale))
 
 
 def step_memory_bound(batch: int, vocab: int, dtype: torch.dtype = torch.float32) -> int:
     """Upper bound, in bytes, of the extra memory one `decode_step` allocates for ``batch``
     rows of ``vocab`` scores, whatever the parameters (the output itself not counted):
 
-    * three [batch, vocab] tensors of the score dtype: the probabilities, a gathered copy of
-      a group's rows and its decoded rows (the output of the public API);
+    * three [batch, vocab] tensors of the score dtype: a gathered copy of a pass's rows, the
+      temporary of a log-sum-exp (inside the op, in eager mode) and the exact path's copy of
+      its rows (or a keep-all pass's count);
     * per row, the candidate arrays of the window (the W * BLOCK gathered entries and a few
       float64 [W] arrays) and the iterative families' float64 [K, K] Newton arrays (K <= W);
     * `exact.MEMORY_BUDGET` for what runs in row chunks: the exact path (uncertified rows) and
@@ -515,3 +603,6 @@ def step_memory_bound(batch: int, vocab: int, dtype: torch.dtype = torch.float32
     candidate = batch * (WIDE_WINDOW * 64 * item + 16 * WIDE_WINDOW * 8)
     newton = batch * 8 * WINDOW * WINDOW * 8
     return full + candidate + newton + MEMORY_BUDGET
+
+
+__all__ = ["UNBOUNDED", "StepResult", "decode_step", "step_memory_bound"]

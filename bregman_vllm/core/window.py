@@ -117,7 +117,7 @@ def closed_gaps(family: Family, x: Tensor, deficit: Tensor) -> Tensor:
 def closed_map(family: Family, cand: Candidates, k: Tensor, width: int) -> Tensor:
     """log T_k on the first ``width`` candidates for the closed-form families: the maps of
     `primal` (eq. (1) and Proposition 4.1), applied to the candidates."""
-    log_x = torch.log(cand.x[:, :width])
+    log_x = cand.log_x[:, :width]
     inside = _arange(width, log_x.device) < k.unsqueeze(-1)
     log_deficit = torch.log(torch.gather(cand.deficit, 1, (k - 1).unsqueeze(-1)).squeeze(-1))
     if family == Family.KL:
