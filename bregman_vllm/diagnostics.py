@@ -214,27 +214,12 @@ def _tensors(value: Any):
 
 def compiled_launches(function: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
     """Run a ``torch.compile``d function once (compiling it now) and count the kernels its
-    compiled graphs launch per call: generated kernels (C++ on CPU, Triton on GPU) and the
-    ops inductor leaves to ATen or a library (``extern_kernels``, ``torch.ops.aten``).
-
-    A TorchDispatchMode cannot watch compiled code, so the count is read off the wrapper code
-    inductor generates. Returns (the function's result, the launch count).
-    """
-    import re
-
+    compiled graphs launch per call (`bregman_vllm.core.step.count_kernels`). A
+    TorchDispatchMode cannot watch compiled code, so the count is read off the wrapper code
+    inductor generates. Returns (the function's result, the launch count)."""
     from torch._inductor.utils import run_and_get_code
 
+    from .core.step import count_kernels
+
     result, sources = run_and_get_code(function, *args, **kwargs)
-    launches = 0
-    for source in sources:
-        if "def call(" not in source:
-            continue
-        body = source[source.index("def call("):]
-        for line in body.splitlines():
-            text = line.strip()
-            if text.startswith(("#", "assert_")) or not text:
-                continue
-            if re.search(r"\bcpp_fused_\w+\(|\btriton_\w+\.run\(|\bextern_kernels\.\w+\(|"
-                         r"\btorch\.ops\.aten\.\w+", text):
-                launches += 1
-    return result, launches
+    return result, count_kernels(sources)

@@ -516,54 +516,113 @@ def test_processor_reserves_the_bound_until_its_first_step():
 # ----------------------------------------------------------------------------- compiled step
 
 
-def test_compiled_step_agrees_and_launches_far_fewer_kernels(monkeypatch):
-    """With BREGMAN_COMPILE=1 the fixed-shape step runs as torch.compile graphs (fullgraph: no
-    host sync inside by construction); a batch mixing six families is one joint graph. On the
-    mixed batch of the processor, in steady state, the launches are the eager glue around the
-    graph (counted by the dispatch counter) plus the kernels the graph launches (read off
-    inductor's generated code): at most 150, and the result equals the eager step's. Compiling
-    takes about a minute on the 2-core CI machine."""
+@pytest.fixture
+def compiled(monkeypatch):
+    """BREGMAN_COMPILE=1 (torch.compile works on the CPU with fullgraph=True), restored after."""
+    monkeypatch.setenv("BREGMAN_COMPILE", "1")
+    step_module._compile_choice.cache_clear()
+    yield
+    step_module._compile_choice.cache_clear()
+
+
+def test_compile_defaults_to_cuda_only(monkeypatch):
+    monkeypatch.delenv("BREGMAN_COMPILE", raising=False)
+    step_module._compile_choice.cache_clear()
+    assert step_module.compile_enabled(torch.device("cuda")) is True
+    assert step_module.compile_enabled(torch.device("cpu")) is False
+    step_module._compile_choice.cache_clear()
+
+
+def test_compiled_passes_agree_and_the_mixed_batch_launches_few_kernels(compiled, monkeypatch):
+    """Compiled, a window pass is one graph per window class that decodes every family
+    (`step.universal_pass`), compiled by `step.warm_up` (the V2 processor's constructor calls
+    it; the V1 one here has no vocabulary size in its stand-in config), and one joint pass
+    takes every window group. On the processor's mixed batch, in steady state, the launches
+    are the eager glue around the graph (counted by the dispatch counter) plus the kernels the
+    graph launches (read off inductor's generated code at warm-up): at most 40, and the result
+    equals the eager step's."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from bregman_vllm.diagnostics import compiled_launches
-
     logits = realistic_logits()
+    monkeypatch.setenv("BREGMAN_COMPILE", "0")
+    step_module._compile_choice.cache_clear()
     eager = v1_processor(MIXED_ALL).apply(logits.clone())
     eager_v2_proc, ctx = v2_processor(MIXED_ALL)
     eager_v2 = eager_v2_proc.apply(logits.clone(), ctx)
-
     monkeypatch.setenv("BREGMAN_COMPILE", "1")
-    graph_launches: dict[object, int] = {}  # kernels per call of each graph
-    used: set[object] = set()  # the graphs one apply() ran
-    real = step_module.compiled_group
+    step_module._compile_choice.cache_clear()
 
-    def counted(static):
-        graph = real(static)
-
-        def run(*args):
-            used.add(static)
-            if static not in graph_launches:  # compiles it now, and reads the generated code
-                result, graph_launches[static] = compiled_launches(graph, *args)
-                assert graph_launches[static] > 0
-                return result
-            with _disable_current_modes():  # the graph's own kernels are counted above
-                return graph(*args)
-
-        return run
-
-    monkeypatch.setattr(step_module, "compiled_group", counted)
+    assert step_module.warm_up("cpu", VOCAB)
+    used: list[tuple] = []
+    for key, graph in list(step_module._GRAPHS.items()):
+        def run(*args, _graph=graph, _key=key):
+            used.append(_key)
+            with _disable_current_modes():  # the graph's own kernels are counted at warm-up
+                return _graph(*args)
+        monkeypatch.setitem(step_module._GRAPHS, key, run)
     v1 = v1_processor(MIXED_ALL)
     v2, ctx = v2_processor(MIXED_ALL)
+    compiles = step_module.compile_count()
     for proc, call, want in ((v1, lambda: v1.apply(logits.clone()), eager),
                              (v2, lambda: v2.apply(logits.clone(), ctx), eager_v2)):
-        call()  # compiles the joint graph once (the V2 batch reuses it)
+        call()
         used.clear()
         with DispatchCounter() as counter:
             out = call()
         assert counter.syncs <= 1, (proc.interface, dict(counter.sync_ops))
-        total = counter.launches + sum(graph_launches[static] for static in used)
-        # Six families, two graphs: the five of width 64 in one, KL at width 256.
-        assert sorted(len(getattr(s, "statics", [s])) for s in used) == [1, 5], proc.interface
-        assert total <= 150, (proc.interface, counter.launches, graph_launches)
+        # Six families, one pass (compiled, a joint takes every window group): one graph.
+        assert [key[3] for key in used] == [256], proc.interface
+        total = counter.launches + sum(step_module._KERNELS[key] for key in used)
+        assert total <= 40, (proc.interface, counter.launch_ops, step_module._KERNELS)
         assert torch.equal(torch.isinf(out), torch.isinf(want)), proc.interface
         torch.testing.assert_close(out.exp(), want.exp(), rtol=0, atol=1e-6)
+    assert step_module.compile_count() == compiles  # nothing compiled inside a step
+
+
+def test_no_batch_size_recompiles_after_the_warm_up(compiled, monkeypatch):
+    """After `warm_up` (batch sizes 1 and 2, the batch dimension dynamic), steps over batches
+    of 1 to 256 rows mixing every family compile nothing, and every window pass runs the
+    compiled graph (a recompilation would raise under ``fail_on_recompile`` and run eagerly
+    with a warning)."""
+    from bregman_vllm.adapter.processor import request_params
+    from bregman_vllm.core.plan import plan_requests
+
+    assert step_module.warm_up("cpu", VOCAB)
+    before = step_module.compile_count()
+    calls = {"graph": 0, "passes": 0}
+    for key, graph in list(step_module._GRAPHS.items()):
+        def run(*args, _graph=graph):
+            calls["graph"] += 1
+            return _graph(*args)
+        monkeypatch.setitem(step_module._GRAPHS, key, run)
+    logits = realistic_logits(256, VOCAB, seed=7)
+    for batch in range(1, 257):
+        requests = [(row, request_params(MIXED_ALL[row % len(MIXED_ALL)]))
+                    for row in range(batch) if MIXED_ALL[row % len(MIXED_ALL)]]
+        plan = plan_requests(requests, batch=batch, vocab=VOCAB, device="cpu")
+        alone, joints = plan.passes(compiled=True)
+        calls["passes"] += sum(1 for owner in (*alone, *joints)
+                               if owner.width <= step_module.WIDE_WINDOW)
+        step_module.decode_step(logits[:batch].clone(), plan, logits=True, inplace=True)
+    assert step_module.compile_count() == before, "a batch size recompiled"
+    assert calls["graph"] == calls["passes"] >= 256
+    assert "recompile" not in step_module._WARNED
+
+
+def test_a_compile_failure_at_start_falls_back_to_eager_with_one_warning(compiled, monkeypatch,
+                                                                          caplog):
+    def broken(graph, example_inputs):
+        raise RuntimeError("no compiler for this device")
+
+    monkeypatch.setattr(step_module, "_GRAPHS", {})
+    monkeypatch.setattr(step_module, "_WARNED", set())
+    monkeypatch.setattr(step_module, "_backend", broken)
+    with caplog.at_level("WARNING", logger="bregman_vllm.core.step"):
+        assert step_module.warm_up("cpu", 512) is False
+        assert step_module.warm_up("cpu", 512, widths=(step_module.WINDOW,)) is False
+        logits = realistic_logits(4, 512)
+        out = bregman_decode_logits(logits, alpha=3.0, lam=1e-2)
+    assert len([r for r in caplog.records if "torch.compile" in r.getMessage()]) == 1
+    monkeypatch.setenv("BREGMAN_COMPILE", "0")
+    step_module._compile_choice.cache_clear()
+    assert torch.equal(out, bregman_decode_logits(logits, alpha=3.0, lam=1e-2))

@@ -45,6 +45,10 @@ If the step fails, the processor decodes each group, then each row, on its own, 
 that fail keep their logits; those rows are counted (`telemetry`: the Prometheus counter
 ``bregman_processor_failures_total`` and a rate-limited warning with the running count).
 
+Compilation. With ``BREGMAN_COMPILE`` on (the default on CUDA), the step's window passes are
+compiled when the processor is built (`core.step.warm_up`: dummy rows, a dynamic batch
+dimension); a decoding step never compiles.
+
 Memory. On CUDA the processor reserves the step's worst-case extra memory
 (`core.step.step_memory_bound` for ``max_num_seqs`` rows) when it is built, which is before vLLM
 profiles memory, so the profiler sees it and sizes the KV cache around it; the reservation is
@@ -71,7 +75,7 @@ except ImportError:  # pragma: no cover - older vLLM
     RunnerV2LogitsProcessor = ABC
 
 from ..core.plan import Plan, plan_requests
-from ..core.step import StepResult, decode_step, step_memory_bound
+from ..core.step import StepResult, compile_enabled, decode_step, step_memory_bound, warm_up
 from ..params import BregmanParamError, BregmanParams
 from . import telemetry
 
@@ -164,6 +168,10 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         #: The last step's result (see the module docstring); None before the first one.
         self.last_step: StepResult | None = None
         self._reserve = self._reserve_memory(max_rows, vocab) if self.enabled else None
+        if self.enabled and vocab and compile_enabled(self.device):
+            # Every compiled pass now, before vLLM profiles memory and serves: a step never
+            # compiles (and runs eagerly if compilation failed).
+            warm_up(self.device, vocab)
 
     def _reserve_memory(self, rows: int | None, vocab: int | None) -> torch.Tensor | None:
         """Hold the step's worst case until the first apply() (see the module docstring)."""

@@ -172,6 +172,17 @@ def select(cand: Candidates, where: Tensor, width: int) -> Candidates:
     return Candidates(x, cand.index, deficit, cand.valid, known, log_x)
 
 
+def cut(cand: Candidates, width: int) -> Candidates:
+    """The candidates of every row cut to the first ``width`` (`select` without the rows)."""
+    if width == cand.x.shape[-1]:
+        return cand
+    x, deficit = cand.x[:, :width], cand.deficit[:, :width]
+    incomplete = (x[:, -1] > 0) & (deficit[:, -1] > 0)
+    known = (x > 0).sum(-1).masked_fill_(incomplete, UNBOUNDED)
+    return Candidates(x, cand.index[:, :width], deficit, cand.valid, known,
+                      cand.log_x[:, :width])
+
+
 def take(cand: Candidates, rows: Tensor) -> Candidates:
     """The candidates of ``rows`` (a host-synced index of the exact path); no copy when that is
     every row."""

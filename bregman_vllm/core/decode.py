@@ -25,7 +25,7 @@ from ..params import BregmanParamError, check_alpha, parse_mode
 from .exact import _log_renorm
 from .generators import BregmanGenerator
 from .plan import Plan, make_plan
-from .step import decode_step
+from .step import compile_enabled, decode_step, warm_up
 
 Tensor = torch.Tensor
 
@@ -41,11 +41,15 @@ def _flatten(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _public_plan(scores: Tensor, alpha, lam, mode, k_max, top_k, generator=None) -> Plan:
+def _public_plan(scores: Tensor, alpha, lam, mode, k_max, top_k, generator=None, *,
+                 logits: bool) -> Plan:
     if scores.dim() == 0:
         raise BregmanParamError("probs", "must have at least one dimension (the vocabulary)")
-    return make_plan(mode, alpha, lam, top_k, k_max, batch_shape=scores.shape[:-1],
+    plan = make_plan(mode, alpha, lam, top_k, k_max, batch_shape=scores.shape[:-1],
                      vocab=scores.shape[-1], device=scores.device, generator=generator)
+    if compile_enabled(scores.device):  # compiled on the first call of a shape, not later
+        warm_up(scores.device, scores.shape[-1], dtype=scores.dtype, logits=logits)
+    return plan
 
 
 def bregman_decode(
@@ -87,7 +91,7 @@ def bregman_decode(
         >>> out.k.item(), [round(v, 4) for v in out.probs.tolist()]
         (3, [0.5167, 0.3167, 0.1667, 0.0])
     """
-    plan = _public_plan(probs, alpha, lam, mode, k_max, top_k, generator)
+    plan = _public_plan(probs, alpha, lam, mode, k_max, top_k, generator, logits=False)
     out, k, _ = decode_step(_flatten(probs), plan, logits=False)
     return BregmanOutput(out.reshape(probs.shape), k.reshape(probs.shape[:-1]))
 
@@ -115,7 +119,7 @@ def bregman_decode_logits(
     """
     if logits.dim() == 0:
         raise BregmanParamError("logits", "must have at least one dimension (the vocabulary)")
-    plan = _public_plan(logits, alpha, lam, mode, k_max, top_k)
+    plan = _public_plan(logits, alpha, lam, mode, k_max, top_k, logits=True)
     out, k, _ = decode_step(_flatten(logits), plan, logits=True)
     out = out.reshape(logits.shape)
     if return_k:

@@ -16,7 +16,6 @@ of their positions), so that a batch mixing families is not a pass per family.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -105,27 +104,40 @@ class Plan:
     #: the processor). None: 1 for every row.
     scale: Tensor | None = None
     temperature: Tensor | None = None  # 1 / scale, on the device
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
-    @functools.cached_property
-    def joints(self) -> tuple[Joint, ...]:
-        """The groups that share a pass over the batch: window groups of one width class (up
-        to `WINDOW` candidates, or up to `WIDE_WINDOW`), two or more (a wider candidate set
-        would cost the narrower groups' rows more than their own pass). Made once per plan
-        (per batch change in vLLM), with the device copies of the positions."""
+    def passes(self, compiled: bool = False) -> tuple[tuple[Group, ...], tuple[Joint, ...]]:
+        """The groups decoded in a pass of their own, and the joint passes (`Joint`): window
+        groups of one width class (up to `WINDOW` candidates, or up to `WIDE_WINDOW`), two or
+        more (eagerly, a wider candidate set would cost the narrower groups' rows more than
+        their own pass); ``compiled``, every window group of up to `WIDE_WINDOW` candidates in
+        one joint (one read of the batch for all; the extra candidates cost no pass). Made
+        once per plan and mode (per batch change in vLLM), with the device copies of the
+        positions."""
+        cached = self.derived.get(compiled)
+        if cached is not None:
+            return cached
         by_width: dict[int, list[Group]] = {}
         for group in self.groups:
             if group.family in _WINDOW_FAMILIES and group.width <= WIDE_WINDOW:
-                width = WINDOW if group.width <= WINDOW else WIDE_WINDOW
+                width = 0 if compiled else WINDOW if group.width <= WINDOW else WIDE_WINDOW
                 by_width.setdefault(width, []).append(group)
-        return tuple(_joint(members, self.batch) for members in by_width.values()
-                     if len(members) >= 2)
+        joints = tuple(_joint(members, self.batch) for members in by_width.values()
+                       if len(members) >= 2)
+        shared = {id(group) for joint in joints for group in joint.groups}
+        alone = tuple(group for group in self.groups if id(group) not in shared)
+        self.derived[compiled] = (alone, joints)
+        return alone, joints
 
+    @property
+    def joints(self) -> tuple[Joint, ...]:
+        """The joint passes of the eager step (`passes`)."""
+        return self.passes()[1]
 
-    @functools.cached_property
+    @property
     def alone(self) -> tuple[Group, ...]:
-        """The groups decoded in a pass of their own (in no joint), once per plan."""
-        shared = {id(group) for joint in self.joints for group in joint.groups}
-        return tuple(group for group in self.groups if id(group) not in shared)
+        """The groups decoded in a pass of their own by the eager step (`passes`)."""
+        return self.passes()[0]
 
 
 def _joint(members: list[Group], batch: int) -> Joint:
