@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 MODES: tuple[str, ...] = ("primal", "dual", "off")
@@ -341,14 +341,10 @@ class BregmanParams:
     lam: float = DEFAULT_LAMBDA
     top_k: int | None = None
     k_max: int | None = None
-    _validated: bool = field(default=False, repr=False, compare=False)
 
-    @property
-    def enabled(self) -> bool:
-        return self.mode != "off"
-
-    def validated(self) -> BregmanParams:
-        """Check every field; return a normalized copy. Raises `BregmanParamError`."""
+    def __post_init__(self) -> None:
+        """Validate and normalize every field (raises `BregmanParamError`): a `BregmanParams`
+        is valid by construction, so what carries one never validates it again."""
         mode = parse_mode(self.mode)
         alpha = parse_alpha(self.alpha)
         lam = parse_lambda(self.lam)
@@ -356,7 +352,17 @@ class BregmanParams:
         k_max = parse_support_size(self.k_max, "bregman_k_max")
         if mode != "off":
             check_alpha(alpha, mode, fixed_k=top_k is not None)
-        return BregmanParams(mode, alpha, lam, top_k, k_max, _validated=True)
+        for name, value in (("mode", mode), ("alpha", alpha), ("lam", lam), ("top_k", top_k),
+                            ("k_max", k_max)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def validated(self) -> BregmanParams:
+        """The parameters themselves: they were validated when made (kept for callers)."""
+        return self
 
     @classmethod
     def from_mapping(
@@ -382,7 +388,7 @@ class BregmanParams:
             top_k=present.get("bregman_top_k", base.top_k),
             k_max=present.get("bregman_k_max", base.k_max),
         )
-        return params.validated()
+        return params
 
     def to_request(self) -> dict[str, Any]:
         """The ``bregman_*`` keys for ``vllm_xargs`` / ``SamplingParams.extra_args``.

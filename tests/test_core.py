@@ -15,14 +15,10 @@ import pytest
 import torch
 
 from bregman_vllm import bregman_decode, bregman_decode_logits, renormalize
-from bregman_vllm.core.dual import dual_log_renorm, nested_log_renorm
-from bregman_vllm.core.exact import decode_exact, exact_plan
-from bregman_vllm.core.primal import (
-    newton_log_renorm,
-    primal_log_renorm,
-    support_mask,
-    three_halves_log_renorm,
-)
+from bregman_vllm.core.dual import nested_log_renorm
+from bregman_vllm.core.exact import decode_exact, exact_plan, renorm_rows
+from bregman_vllm.core.families import Family
+from bregman_vllm.core.primal import newton_log_renorm, support_mask, three_halves_log_renorm
 
 from . import reference as ref
 
@@ -120,7 +116,7 @@ def test_closed_forms_agree_with_root_finding():
     deficit = 1 - torch.where(mask, lp.exp(), 0.0).sum(-1)
     for alpha in (1.5, 2.0):
         a = torch.full((20,), alpha, dtype=F64)
-        closed = primal_log_renorm(lp, k, a, torch.log(deficit))
+        closed = renorm_rows("primal", lp, k, a, torch.log(deficit))
         newton = newton_log_renorm(lp, mask, a, torch.log(deficit), k)
         assert torch.allclose(closed.exp(), newton.exp(), atol=1e-14, rtol=0)
     three_halves = three_halves_log_renorm(lp, mask, torch.log(deficit), k)
@@ -163,8 +159,8 @@ def test_dual_map_kkt_residuals(alpha):
     k = torch.randint(1, 11, (50,), generator=g)
     mask = support_mask(k, 10)
     deficit = 1 - torch.where(mask, p, 0.0).sum(-1)
-    q = dual_log_renorm(torch.log(p), k, torch.full((50,), alpha, dtype=F64),
-                        torch.log(deficit)).exp()
+    q = renorm_rows("dual", torch.log(p), k, torch.full((50,), alpha, dtype=F64),
+                    torch.log(deficit)).exp()
     assert torch.allclose(q.sum(-1), torch.ones(50, dtype=F64), atol=1e-14)
     moved = torch.where(mask, q - p, -1.0).argmax(-1, keepdim=True)
     qj, pj = q.gather(1, moved), p.gather(1, moved)
@@ -186,7 +182,8 @@ def test_dual_closed_inner_solve_equals_nested_newton(alpha):
     mask = support_mask(k, 12)
     log_deficit = torch.log1p(-torch.where(mask, p, 0.0).sum(-1).clamp_max(1 - 1e-300))
     a = torch.full((40,), alpha, dtype=F64)
-    closed = nested_log_renorm(torch.log(p), mask, a, log_deficit, k, closed=alpha).exp()
+    family = Family.DUAL_THREE_HALVES if alpha == 1.5 else Family.DUAL_THREE
+    closed = nested_log_renorm(torch.log(p), mask, a, log_deficit, k, closed=family).exp()
     newton = nested_log_renorm(torch.log(p), mask, a, log_deficit, k).exp()
     assert not closed.isnan().any()
     assert (closed - newton).abs().max() < 1e-13

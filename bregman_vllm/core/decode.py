@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from ..params import BregmanParamError, check_alpha, parse_mode
-from .exact import _log_renorm
+from .exact import renorm_rows
 from .generators import BregmanGenerator
 from .plan import Plan, make_plan
 from .step import compile_enabled, decode_step, warm_up
@@ -185,7 +185,7 @@ def renormalize(x: Tensor, *, alpha, mode: str = "primal") -> Tensor:
     deficit = (1.0 - xs.sum(-1)).clamp_min(0.0)
     empty = xs[:, 0] <= 0
     with torch.no_grad():
-        log_q = _log_renorm(mode, torch.log(xs), k, alpha_rows, torch.log(deficit))
+        log_q = renorm_rows(mode, torch.log(xs), k, alpha_rows, torch.log(deficit))
     q = torch.exp(log_q)
     q = torch.where(empty.unsqueeze(-1), torch.full_like(q, 1.0 / width), q)
     out = torch.empty_like(q).scatter_(1, order, q)

@@ -33,8 +33,8 @@ from typing import NamedTuple
 import torch
 
 from .candidates import UNBOUNDED, Candidates, candidates, take
-from .dual import dual_log_renorm
-from .families import family_of, has_closed_gaps
+from .dual import nested_log_renorm
+from .families import CLOSED_GAP_FAMILIES, Family, family_of
 from .gaps import dual_log_gap, primal_log_gap
 from .generators import (
     BregmanGenerator,
@@ -42,8 +42,16 @@ from .generators import (
     generic_gap,
     generic_primal_renorm,
 )
-from .primal import primal_log_renorm, support_mask
-from .window import closed_gaps
+from .primal import (
+    argmax_fill_log_renorm,
+    kl_log_renorm,
+    newton_log_renorm,
+    square_log_renorm,
+    support_mask,
+    three_halves_log_renorm,
+    water_filling_log_renorm,
+)
+from .window import Decoded, closed_gaps
 from .write import output_values, write_support
 
 Tensor = torch.Tensor
@@ -58,7 +66,9 @@ _BYTES_PER_ENTRY = 320  # peak of a whole-row round, per entry (measured: 266 fo
 
 
 class ExactPlan(NamedTuple):
-    """Per-row parameters of the exact path (all [n] tensors; fixed_k / k_max: 0 = none)."""
+    """Per-row parameters of the exact path (all [n] tensors; fixed_k / k_max: 0 = none) and
+    the rows' formula family (one plan group: decided once, by the plan; None with a user
+    generator)."""
 
     mode: str
     alpha: Tensor
@@ -66,13 +76,22 @@ class ExactPlan(NamedTuple):
     fixed_k: Tensor
     k_max: Tensor
     generator: BregmanGenerator | None = None
-    alpha_values: tuple[float, ...] = ()  # distinct alphas (none: generator)
+    family: Family | None = None
 
 
 def exact_plan(mode: str, alpha: Tensor, lam: Tensor, fixed_k: Tensor, k_max: Tensor,
-               generator: BregmanGenerator | None = None) -> ExactPlan:
-    values = () if generator is not None else tuple(torch.unique(alpha).tolist())
-    return ExactPlan(mode, alpha, lam, fixed_k, k_max, generator, values)
+               generator: BregmanGenerator | None = None, family: Family | None = None
+               ) -> ExactPlan:
+    """The exact path's parameters. ``family``: the rows' family when the caller has it (a
+    plan group); else decided here, on the host, from the rows' one alpha (`family_of`),
+    or `Family.EXACT` (the general maps) for rows of several alphas."""
+    if family is None and generator is None:
+        values = set(alpha.tolist())
+        fixed = bool((fixed_k > 0).all())
+        family = family_of(mode, values.pop(), fixed) if len(values) == 1 else Family.EXACT
+        if family == Family.KEEP_ALL:  # (lambda = 0 is the exact path's to solve here)
+            family = Family.EXACT
+    return ExactPlan(mode, alpha, lam, fixed_k, k_max, generator, family)
 
 # ----------------------------------------------------------------------------- candidates
 
@@ -92,40 +111,106 @@ def _positive(cand: Candidates) -> tuple[Tensor, Tensor]:
 # ----------------------------------------------------------------------------- renormalization
 
 
-def _log_renorm(mode: str, log_p: Tensor, k: Tensor, alpha: Tensor, log_deficit: Tensor,
-                generator: BregmanGenerator | None = None) -> Tensor:
+def _general(mode: str):
+    """The map of every other alpha: primal Newton (eq. (4)), or the dual's nested root
+    finding (Algorithm 1, eq. (5))."""
+    if mode == "primal":
+        return lambda lp, mk, a, ld, kk: newton_log_renorm(lp, mk, a, ld, kk)
+    return lambda lp, mk, a, ld, kk: nested_log_renorm(lp, mk, a, ld, kk)
+
+
+#: The map of each family on a fixed support (arguments: log p, support mask, alpha, log R, k).
+_MAPS = {
+    Family.KL: lambda lp, mk, a, ld, kk: kl_log_renorm(lp, mk),
+    Family.THREE_HALVES: lambda lp, mk, a, ld, kk: three_halves_log_renorm(lp, mk, ld, kk),
+    Family.SQUARE: lambda lp, mk, a, ld, kk: square_log_renorm(lp, mk, ld, kk),
+    Family.WATER: lambda lp, mk, a, ld, kk: water_filling_log_renorm(lp, mk, ld),
+    Family.ARGMAX: lambda lp, mk, a, ld, kk: argmax_fill_log_renorm(lp, mk, ld),
+    Family.POWER: lambda lp, mk, a, ld, kk: newton_log_renorm(lp, mk, a, ld, kk),
+    Family.DUAL_THREE_HALVES: lambda lp, mk, a, ld, kk: nested_log_renorm(
+        lp, mk, a, ld, kk, closed=Family.DUAL_THREE_HALVES),
+    Family.DUAL_THREE: lambda lp, mk, a, ld, kk: nested_log_renorm(
+        lp, mk, a, ld, kk, closed=Family.DUAL_THREE),
+}
+
+
+def log_renorm(family: Family | None, mode: str, log_p: Tensor, k: Tensor, alpha: Tensor,
+               log_deficit: Tensor, generator: BregmanGenerator | None = None) -> Tensor:
+    """T_alpha (eq. (4), primal) or T*_alpha (eq. (5), dual) on the top-k entries of each row,
+    in log space, with the rows' family's map (`families`: closed forms of Proposition 4.1 and
+    Appendix G.3, the quadratic dual maps, Newton or nested root finding for the others).
+
+    Args:
+        log_p: ``[..., K]`` log-probabilities sorted in decreasing order.
+        k: ``[...]`` support sizes, 1 <= k <= K.
+        alpha: ``[...]`` exponents.
+        log_deficit: ``[...]`` log(1 - S_k), the mass left outside the support (-inf if none:
+            every map is then the identity, the KL map q = p / S with S = 1).
+
+    Returns:
+        ``[..., K]`` log q, normalized, -inf at positions >= k.
+    """
     if generator is not None:
         mask = support_mask(k, log_p.shape[-1])
         renorm = generic_primal_renorm if mode == "primal" else generic_dual_renorm
         return torch.log(renorm(torch.exp(log_p), mask, generator))
-    if mode == "primal":
-        return primal_log_renorm(log_p, k, alpha, log_deficit)
-    return dual_log_renorm(log_p, k, alpha, log_deficit)
+    shape = log_p.shape
+    lp = log_p.reshape(-1, shape[-1])
+    mk = support_mask(k, shape[-1]).reshape(-1, shape[-1])
+    ld = log_deficit.reshape(-1)
+    kk = k.reshape(-1)
+    a = alpha.to(log_p.dtype).reshape(-1)
+    out = torch.full_like(lp, -math.inf)
+    none = torch.isneginf(ld)
+    identity = none.nonzero().squeeze(-1)
+    if identity.numel():
+        out[identity] = kl_log_renorm(lp[identity], mk[identity])
+    rest = (~none).nonzero().squeeze(-1)
+    if rest.numel():
+        apply = _MAPS.get(family) or _general(mode)
+        out[rest] = apply(lp[rest], mk[rest], a[rest], ld[rest], kk[rest])
+    return out.reshape(shape)
 
 
-def _renorm_at(mode: str, cand: Candidates, k: Tensor, alpha: Tensor,
+def renorm_rows(mode: str, log_p: Tensor, k: Tensor, alpha: Tensor, log_deficit: Tensor
+                ) -> Tensor:
+    """`log_renorm` for rows of any alphas (``[n]``): each row with its alpha's family, decided
+    on the host (`families.family_of`, fixed support)."""
+    families: dict[Family, list[int]] = {}
+    for row, value in enumerate(alpha.reshape(-1).tolist()):
+        families.setdefault(family_of(mode, value, fixed=True), []).append(row)
+    out = torch.full_like(log_p, -math.inf)
+    for family, rows in families.items():
+        index = torch.tensor(rows, device=log_p.device)
+        out[index] = log_renorm(family, mode, log_p[index], k[index], alpha[index],
+                                log_deficit[index])
+    return out
+
+
+def _renorm_at(family: Family | None, mode: str, cand: Candidates, k: Tensor, alpha: Tensor,
                generator: BregmanGenerator | None = None) -> Tensor:
     """log T_k (per row, k >= 1) on the first max(k) candidate columns."""
     width = int(k.max())
-    return _log_renorm(mode, cand.log_x[:, :width], k, alpha, _log_deficit(cand, k), generator)
+    return log_renorm(family, mode, cand.log_x[:, :width], k, alpha, _log_deficit(cand, k),
+                      generator)
 
 
 #: Support sizes the first probe of an adaptive search covers at once (most k* are small).
 PROBE_WINDOW = 16
 
 
-def _window_exceeds(mode: str, cand: Candidates, start: Tensor, count: int, alpha: Tensor,
-                    lam: Tensor, generator: BregmanGenerator | None = None
-                    ) -> tuple[Tensor, Tensor]:
+def _window_exceeds(family: Family | None, mode: str, cand: Candidates, start: Tensor,
+                    count: int, alpha: Tensor, lam: Tensor,
+                    generator: BregmanGenerator | None = None) -> tuple[Tensor, Tensor]:
     """G(m) > lambda for m = start .. start + count - 1 per row ([n, count]), from the exact maps
     on the count + 1 consecutive supports (1 <= start, start + count <= candidates); also returns
     those maps (log T_m for m = start .. start + count, [n, count + 1, W])."""
     sizes = start.unsqueeze(-1) + torch.arange(count + 1, device=start.device)  # [n, count + 1]
     width = int(sizes.max())
     log_p = cand.log_x[:, :width]
-    maps = _log_renorm(mode, log_p.unsqueeze(1).expand(-1, count + 1, -1), sizes,
-                       alpha.unsqueeze(-1).expand(-1, count + 1), _log_deficit(cand, sizes),
-                       generator)
+    maps = log_renorm(family, mode, log_p.unsqueeze(1).expand(-1, count + 1, -1), sizes,
+                      alpha.unsqueeze(-1).expand(-1, count + 1), _log_deficit(cand, sizes),
+                      generator)
     log_q, log_q_next = maps[:, :-1], maps[:, 1:]
     m = sizes[:, :-1]
     a = alpha.unsqueeze(-1).expand(-1, count)
@@ -141,8 +226,8 @@ def _window_exceeds(mode: str, cand: Candidates, start: Tensor, count: int, alph
     return log_gap > torch.log(lam).unsqueeze(-1), maps
 
 
-def _search(mode: str, cand: Candidates, alpha: Tensor, lam: Tensor, low: Tensor,
-            high: Tensor, generator: BregmanGenerator | None = None,
+def _search(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, lam: Tensor,
+            low: Tensor, high: Tensor, generator: BregmanGenerator | None = None,
             raised: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Smallest k in [low, high] with G(k) <= lambda, where G(high) <= lambda is taken as given.
 
@@ -165,8 +250,8 @@ def _search(mode: str, cand: Candidates, alpha: Tensor, lam: Tensor, low: Tensor
         count = int(min(PROBE_WINDOW, int((hi - lo).max())))
         sub = take(cand, active)
         start = torch.minimum(lo, hi - count).clamp_min(1)  # keep the window inside [1, hi]
-        exceeds, maps = _window_exceeds(mode, sub, start, count, alpha[active], lam[active],
-                                        generator)
+        exceeds, maps = _window_exceeds(family, mode, sub, start, count, alpha[active],
+                                        lam[active], generator)
         m = start.unsqueeze(-1) + torch.arange(count, device=lo.device)
         # Sizes below low are known to exceed; at or beyond high the search stops by definition.
         stop = (~exceeds | (m >= hi.unsqueeze(-1))) & (m >= lo.unsqueeze(-1))
@@ -191,7 +276,8 @@ def _search(mode: str, cand: Candidates, alpha: Tensor, lam: Tensor, low: Tensor
         gal = galloping[active]
         m = torch.where(gal, torch.minimum(lo + step[active] - 1, hi - 1), (lo + hi) // 2)
         sub = take(cand, active)
-        exceeds = _window_exceeds(mode, sub, m, 1, alpha[active], lam[active], generator)[0][:, 0]
+        exceeds = _window_exceeds(family, mode, sub, m, 1, alpha[active], lam[active],
+                                  generator)[0][:, 0]
         low[active] = torch.where(exceeds, m + 1, lo)
         high[active] = torch.where(exceeds, hi, m)
         step[active] = torch.where(exceeds & gal, step[active] * 2, step[active])
@@ -238,25 +324,24 @@ def _floor_sizes(mode: str, cand: Candidates, alpha: Tensor, lam: Tensor) -> Ten
     return torch.where(below, sizes, width).amin(-1)
 
 
-def _support_sizes(mode: str, cand: Candidates, alpha: Tensor, lam: Tensor, fixed: Tensor,
-                   cap: Tensor, low: Tensor, generator: BregmanGenerator | None = None,
-                   alpha_values: tuple[float, ...] = ()) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Support size per row, whether it is certified with these candidates, and log T_k for the
-    rows whose map the search already computed (with a mask of those rows).
+def _support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor) -> Decoded:
+    """The support search of a candidate round for the plan's rows ``rows``: the same result
+    as the fixed-shape step's (`window.Decoded`): the support size per row, log T_k where the
+    search already computed it (-inf rows otherwise, and for fixed sizes), and which rows are
+    not certified with these candidates (they need a wider round).
 
-    ``low`` is a known lower bound on k* (from earlier rounds); ``alpha_values`` the distinct
-    alphas of the plan, a superset of those of these rows.
+    ``low`` is a known lower bound on k* per row (from earlier rounds). The gap formula is the
+    family's (closed forms over all sizes at once, or probes of the exact maps).
     """
+    alpha, lam = plan.alpha[rows], plan.lam[rows]
+    fixed, cap = plan.fixed_k[rows], plan.k_max[rows]
     width = cand.x.shape[-1]
     positive, complete = _positive(cand)
     n_known = torch.where(complete, positive, torch.full_like(positive, 10**18))
     limit = torch.where(cap > 0, torch.minimum(cap, n_known), n_known).clamp_min(1)
-    k = torch.zeros_like(fixed)
-    done = torch.zeros_like(fixed, dtype=torch.bool)
     is_fixed = fixed > 0
-    fixed_k = torch.minimum(fixed, limit)
-    done |= is_fixed & (fixed_k <= width)
-    k = torch.where(is_fixed, fixed_k, k)
+    k = torch.where(is_fixed, torch.minimum(fixed, limit), 0)
+    done = is_fixed & (k <= width)
     cache = torch.empty(k.shape[0], 0, dtype=cand.log_x.dtype, device=k.device)
     cached = torch.zeros_like(done)
     adaptive = (~is_fixed).nonzero().squeeze(-1)
@@ -268,43 +353,29 @@ def _support_sizes(mode: str, cand: Candidates, alpha: Tensor, lam: Tensor, fixe
         sub = take(cand, adaptive)
         a, lm = alpha[adaptive], lam[adaptive]
         raised = torch.zeros_like(bounded)
-        if generator is None:
-            floor = torch.minimum(_floor_sizes(mode, sub, a, lm), upper)
+        if plan.generator is None:
+            floor = torch.minimum(_floor_sizes(plan.mode, sub, a, lm), upper)
             raised = floor > lo
             lo = torch.maximum(lo, floor)
-        found = torch.empty_like(lo)
-        if generator is not None or len(alpha_values) == 1:  # one divergence for every row
-            every = torch.arange(a.shape[0], device=a.device)
-            groups = [(alpha_values[0] if generator is None else math.nan, every)]
+        if plan.family in CLOSED_GAP_FAMILIES:
+            gaps = closed_gaps(plan.family, sub.x, sub.deficit)
+            # Column j is k = j + 1; the last column (k = width) always stops.
+            gaps = torch.nn.functional.pad(gaps, (0, 1), value=-math.inf)
+            sizes = torch.arange(1, width + 1, device=gaps.device)
+            stop = (gaps <= lm.unsqueeze(-1)) | (sizes >= upper.unsqueeze(-1))
+            stop &= sizes >= lo.unsqueeze(-1)
+            found = torch.minimum(torch.where(stop, sizes, width).amin(-1), upper)
         else:
-            groups = [(value, (a == value).nonzero().squeeze(-1))
-                      for value in torch.unique(a).tolist()]
-        for value, rows in groups:
-            if generator is None and has_closed_gaps(mode, value):
-                grp = take(sub, rows)
-                gaps = closed_gaps(family_of(mode, value, fixed=False), grp.x, grp.deficit)
-                # Column j is k = j + 1; the last column (k = width) always stops.
-                gaps = torch.nn.functional.pad(gaps, (0, 1), value=-math.inf)
-                sizes = torch.arange(1, width + 1, device=gaps.device)
-                stop = (gaps <= lm[rows].unsqueeze(-1)) | (sizes >= upper[rows].unsqueeze(-1))
-                stop &= sizes >= lo[rows].unsqueeze(-1)
-                first = torch.where(stop, sizes, width).amin(-1)
-                found[rows] = torch.minimum(first, upper[rows])
-            else:
-                grp = take(sub, rows)
-                found[rows], maps, have = _search(mode, grp, a[rows], lm[rows], lo[rows],
-                                                  upper[rows], generator, raised[rows])
-                if maps.shape[-1] > cache.shape[-1]:
-                    cache = torch.nn.functional.pad(cache, (0, maps.shape[-1] - cache.shape[-1]),
-                                                    value=-math.inf)
-                target = adaptive[rows]
-                cache[target] = torch.nn.functional.pad(
-                    maps, (0, cache.shape[-1] - maps.shape[-1]), value=-math.inf)
-                cached[target] = have
+            found, maps, have = _search(plan.family, plan.mode, sub, a, lm, lo, upper,
+                                        plan.generator, raised)
+            cache = torch.full((k.shape[0], maps.shape[-1]), -math.inf, dtype=maps.dtype,
+                               device=maps.device)
+            cache[adaptive] = maps
+            cached[adaptive] = have
         k[adaptive] = found
         # Certified unless the search ran into the end of the candidate set without a boundary.
         done[adaptive] = (found < width) | bounded
-    return k, done, cache, cached
+    return Decoded(k, cache, ~done, computed=cached)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -316,7 +387,7 @@ def _final_maps(plan: ExactPlan, cand: Candidates, k: Tensor, alpha: Tensor, cac
     todo = (~cached).nonzero().squeeze(-1)
     if todo.numel() == 0:
         return cache[:, : int(k.max())]
-    fresh = _renorm_at(plan.mode, take(cand, todo), k[todo], alpha[todo],
+    fresh = _renorm_at(plan.family, plan.mode, take(cand, todo), k[todo], alpha[todo],
                        plan.generator)
     if todo.numel() == k.shape[0]:
         return fresh
@@ -383,9 +454,8 @@ def _round(scores: Tensor, plan: ExactPlan, now: Tensor, width: int, low: Tensor
         now, cand = now[good], take(cand, good)
     if now.numel() == 0:
         return now
-    k, done, cache, cached = _support_sizes(
-        plan.mode, cand, plan.alpha[now], plan.lam[now], plan.fixed_k[now],
-        plan.k_max[now], low[now], plan.generator, plan.alpha_values)
+    k, cache, uncertain, _, cached = _support_sizes(plan, cand, now, low[now])
+    done = ~uncertain
     if width >= vocab:
         done = torch.ones_like(done)
     fin = done.nonzero().squeeze(-1)

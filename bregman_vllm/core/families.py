@@ -1,9 +1,9 @@
 """Formula families: which formulas decode a row, decided once per plan from (mode, alpha, k).
 
-This module is the one place where special values of alpha are recognized. Every other module
-asks it (`family_of` for one row on the host, `primal_family_masks` / `dual_family_masks` for
-the per-row dispatch of the exact path, `has_closed_gaps` for the gap formulas), so a closed form
-is never picked by a float comparison written somewhere else.
+This module is the one place where special values of alpha are recognized: `family_of`, on the
+host, once per distinct parameter set (by the plan, `plan`). Every other module receives the
+family (the fixed-shape step, the exact path's maps and gaps), so a closed form is never picked
+by a float comparison written somewhere else.
 
 Paper: Noarov, Mallick, Wang et al., "Foundations of Top-k Decoding for Language Models",
 arXiv 2505.19371. The primal map is eq. (4) (Definition 4.1 for phi_alpha), the dual map eq. (5);
@@ -150,41 +150,3 @@ def newton_iterations(family: Family, alphas: list[float]) -> int:
     if spread <= 5.0:
         return 8
     return 10
-
-
-def primal_family_masks(alpha: Tensor, no_deficit: Tensor) -> list[tuple[Family, Tensor]]:
-    """Per-row families of the exact primal map (one boolean mask each, disjoint, covering
-    every row): rows without a deficit and alpha = 1 take the KL map, the special alphas of
-    Proposition 4.1 their closed forms, every other alpha the safeguarded Newton (``POWER``)."""
-    kl = no_deficit | (alpha == 1.0)
-    masks = [(Family.KL, kl)]
-    taken = kl
-    for value, family in ((1.5, Family.THREE_HALVES), (2.0, Family.SQUARE),
-                          (math.inf, Family.WATER), (-math.inf, Family.ARGMAX)):
-        rows = (alpha == value) & ~taken
-        masks.append((family, rows))
-        taken = taken | rows
-    masks.append((Family.POWER, ~taken))
-    return masks
-
-
-def dual_family_masks(alpha: Tensor, no_deficit: Tensor) -> list[tuple[Family, Tensor]]:
-    """Per-row families of the exact dual map: KL (no deficit, alpha = 1), SQUARE (alpha = 2,
-    equal to the primal map), WATER (+inf), the quadratic inner equations (3/2, 3) and the nested
-    root finding of Algorithm 1 for every other alpha (``EXACT``)."""
-    kl = no_deficit | (alpha == 1.0)
-    masks = [(Family.KL, kl)]
-    taken = kl
-    for value, family in ((2.0, Family.SQUARE), (math.inf, Family.WATER),
-                          (1.5, Family.DUAL_THREE_HALVES), (3.0, Family.DUAL_THREE)):
-        rows = (alpha == value) & ~taken
-        masks.append((family, rows))
-        taken = taken | rows
-    masks.append((Family.EXACT, ~taken))
-    return masks
-
-
-def has_closed_gaps(mode: str, alpha: float) -> bool:
-    """Whether G(k) has a closed form for every k (`gaps`): primal 1, 3/2 and alpha = 2."""
-    return family_of(mode, alpha, fixed=False) in CLOSED_GAP_FAMILIES and \
-        not (mode == "dual" and alpha == 1.0)

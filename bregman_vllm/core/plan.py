@@ -336,8 +336,9 @@ def _rows(mode, alpha, lam, top_k, k_max, alphas, lams, tops, caps, batch, gener
 def plan_requests(requests: Sequence[tuple[int, object]], *, batch: int, vocab: int,
                   device: torch.device | str,
                   temperatures: Sequence[float] | None = None) -> Plan:
-    """The plan of a vLLM batch: ``requests`` lists (batch position, validated
-    `bregman_vllm.params.BregmanParams`) for the rows to decode; other rows are left alone.
+    """The plan of a vLLM batch: ``requests`` lists (batch position,
+    `bregman_vllm.params.BregmanParams`, valid by construction: not validated again) for the
+    rows to decode; other rows are left alone.
     ``temperatures``: per batch row, the temperature the caller divides the logits by after
     the step (`Plan.scale`); None: the logits are decoded as they are.
 
@@ -353,7 +354,7 @@ def plan_requests(requests: Sequence[tuple[int, object]], *, batch: int, vocab: 
         if row is None:
             row = seen[params] = _classify(
                 params.mode, float(params.alpha), float(params.lam), params.top_k or 0,
-                params.k_max or 0, None, True, names, vocab)
+                params.k_max or 0, None, False, names, vocab)
         by_key.setdefault((params.mode, row[0], row[1]), []).append((position, row))
     groups = []
     for (mode, family, fixed), members in by_key.items():

@@ -441,7 +441,8 @@ def _exact_inputs(group: Group, device: torch.device, piece: slice | None = None
     size = per_row("size", torch.long)
     cap = per_row("cap", torch.long)
     fixed = size if group.fixed else torch.zeros_like(size)
-    return exact_plan(group.mode, alpha, lam, fixed, cap, group.generator)
+    return exact_plan(group.mode, alpha, lam, fixed, cap, group.generator,
+                      None if group.generator is not None else group.family)
 
 
 def _unfinished(p: _Pass) -> int:
