@@ -66,7 +66,7 @@ def logits() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_one_call_at_most_one_sync_and_150_launches(logits, name):
+def test_one_call_at_most_one_sync_and_150_launches(logits, name, gpu_ops):
     kwargs = CONFIGS[name]
     bregman_decode_logits(logits, **kwargs)  # warm the constant caches
     with DispatchCounter() as counter:
@@ -77,14 +77,26 @@ def test_one_call_at_most_one_sync_and_150_launches(logits, name):
         assert counter.syncs == 0, dict(counter.sync_ops)
 
 
+@pytest.fixture
+def gpu_ops(monkeypatch):
+    """The ops a CUDA step runs (`candidates.SOFTMAX_NORMALIZER`, `write.READ_WRITE_FILL`
+    name the CPU's faster choices), counted here on the CPU."""
+    from bregman_vllm.core import candidates, write
+
+    monkeypatch.setattr(candidates, "SOFTMAX_NORMALIZER", {})
+    monkeypatch.setattr(write, "READ_WRITE_FILL", {})
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_one_step_is_three_passes_over_the_batch_and_no_intermediate(logits, name):
+def test_one_step_is_three_passes_over_the_batch_and_no_intermediate(logits, name, gpu_ops):
     """Passes over the [64, 32000] batch (`DispatchCounter(full=...)`: ops that read a whole
     [n, V] tensor or write one; gathers and scatters of K entries per row not counted): the
-    step in place, as the processor runs it, reads the logits twice (block maxima; block
-    log-sum-exps, which give the log-normalizer without a probability tensor) and writes them
-    once, and makes no [n, V] tensor. The public, out-of-place call makes its output, from one
-    more read of the logits (rows that are not distributions keep their values)."""
+    step in place, as the processor runs it on CUDA, reads the logits twice (block maxima;
+    block log-sum-exps, which give the log-normalizer without a probability tensor) and writes
+    them once, and makes no [n, V] tensor. The public, out-of-place call makes its output, from
+    one more read of the logits (rows that are not distributions keep their values). (One op,
+    aten::logsumexp's eager kernel still makes exp(x - max) inside; compiled it is one fused
+    reduction.)"""
     from bregman_vllm.core.plan import make_plan
 
     kwargs = CONFIGS[name]
@@ -103,6 +115,32 @@ def test_one_step_is_three_passes_over_the_batch_and_no_intermediate(logits, nam
         out = bregman_decode_logits(logits, **kwargs)
     assert counter.passes == 4 and counter.full_tensors == 1, dict(counter.pass_ops)
     assert torch.equal(out, scores)
+
+
+@pytest.mark.parametrize("name", ["primal a=1.5 lam=0.01", "primal a=3.0 lam=0.001",
+                                  "dual a=1.5 lam=1e-2", "top_k=50 a=1.5"])
+def test_the_cpu_ops_decode_the_same_with_more_passes(logits, name, monkeypatch):
+    """On a CPU the eager step normalizes with one softmax and fills with a vectorized clamp
+    (faster there, `candidates.SOFTMAX_NORMALIZER`, `write.READ_WRITE_FILL`): six passes and
+    one [n, V] temporary (the probabilities), and the same decoded batch as the CUDA ops."""
+    from bregman_vllm.core import candidates, write
+    from bregman_vllm.core.plan import make_plan
+
+    kwargs = CONFIGS[name]
+    plan = make_plan(kwargs.get("mode", "primal"), kwargs["alpha"], kwargs["lam"],
+                     kwargs.get("top_k"), kwargs.get("k_max"), batch_shape=BATCH, vocab=VOCAB,
+                     device="cpu")
+    step_module.decode_step(logits.clone(), plan, logits=True, inplace=True)
+    cpu = logits.clone()
+    with DispatchCounter(full=BATCH * VOCAB) as counter:
+        step_module.decode_step(cpu, plan, logits=True, inplace=True)
+    assert counter.passes == 6 and counter.full_tensors == 1, dict(counter.pass_ops)
+    monkeypatch.setattr(candidates, "SOFTMAX_NORMALIZER", {})
+    monkeypatch.setattr(write, "READ_WRITE_FILL", {})
+    gpu = logits.clone()
+    step_module.decode_step(gpu, plan, logits=True, inplace=True)
+    assert torch.equal(torch.isinf(cpu), torch.isinf(gpu))
+    torch.testing.assert_close(cpu.exp(), gpu.exp(), rtol=0, atol=1e-6)
 
 
 def _extreme_rows(vocab: int) -> dict[str, torch.Tensor]:
@@ -253,7 +291,8 @@ def v2_processor(configs: list[dict], temperature: float = 0.8
 @pytest.mark.parametrize("interface", ["v1", "v2"])
 @pytest.mark.parametrize("configs", [MIXED[:1], MIXED[3:4], MIXED[4:5], MIXED_ALL],
                          ids=["kl", "alpha3", "dual", "mixed"])
-def test_steady_state_apply_plans_once_and_syncs_at_most_once(logits, interface, configs):
+def test_steady_state_apply_plans_once_and_syncs_at_most_once(logits, interface, configs,
+                                                              gpu_ops):
     if interface == "v1":
         proc = v1_processor(configs)
         call = lambda: proc.apply(logits.clone())  # noqa: E731
@@ -281,7 +320,7 @@ def test_steady_state_apply_plans_once_and_syncs_at_most_once(logits, interface,
 @pytest.mark.parametrize("interface", ["v1", "v2", "v2 at T = 1"])
 @pytest.mark.parametrize("configs", [MIXED[:1], MIXED[3:4], MIXED[4:5], MIXED[5:6]],
                          ids=["kl", "alpha3", "dual", "top_k"])
-def test_steady_state_apply_is_three_passes_in_place(logits, interface, configs):
+def test_steady_state_apply_is_three_passes_in_place(logits, interface, configs, gpu_ops):
     """One steady-state `apply()` with every row Bregman-decoded writes into vLLM's logits in
     place: three passes, no [n, V] tensor, on V1 and on Model Runner V2 (no gather, no
     rescaling of the logits: the temperature enters the log-normalizer only). In eager mode a
@@ -305,7 +344,7 @@ def test_steady_state_apply_is_three_passes_in_place(logits, interface, configs)
         assert counter.passes == 3 and counter.full_tensors == 0, dict(counter.pass_ops)
 
 
-def test_a_partial_batch_adds_only_the_gather_of_its_rows(logits):
+def test_a_partial_batch_adds_only_the_gather_of_its_rows(logits, gpu_ops):
     """Half the rows Bregman-decoded (V1): the plain rows are never read; the decoded rows
     are gathered (one read, one write of those rows), decoded with the same three passes over
     the copy, and copied back (one read, one write)."""

@@ -63,11 +63,18 @@ def log_smallest(dtype: torch.dtype) -> float:
     return math.log(info.tiny * info.eps)
 
 
+#: Device types whose eager step normalizes logits with one softmax (a probability tensor: two
+#: more passes) instead of block log-sum-exps. On a CPU, aten::logsumexp's eager kernel (the
+#: maximum, then exp(x - max) into a temporary, then its sum) takes 2 to 4 times a softmax;
+#: compiled, the log-sum-exp is one fused reduction and is used everywhere.
+SOFTMAX_NORMALIZER: dict[str, bool] = {"cpu": True}
+
+
 def _mass(blocks: Tensor, logits: bool, scale: Tensor | None) -> Tensor:
-    """Each block's mass over the last dimension: log-sum-exp of (scaled) logits (in the score
-    dtype), or the sum of probabilities (in float64)."""
+    """Each block's mass over the last dimension, in the score dtype: log-sum-exp of (scaled)
+    logits, or the sum of probabilities (a float32 sum of 64 entries: relative error ~1e-7)."""
     if not logits:
-        return blocks.sum(-1, dtype=torch.float64)
+        return blocks.sum(-1)
     if scale is not None:
         blocks = blocks * scale.view(-1, *([1] * (blocks.dim() - 1)))
     return torch.logsumexp(blocks, -1)
@@ -84,7 +91,8 @@ def _top(scores: Tensor, width: int, logits: bool, scale: Tensor | None
             values, index = torch.sort(scores, dim=-1, descending=True)
         else:
             values, index = torch.topk(scores, width, dim=-1)
-        return values, index, _mass(scores.scatter(1, index, empty), logits, scale)
+        rest = _mass(scores.scatter(1, index, empty), logits, scale)
+        return values, index, rest if logits else rest.to(torch.float64)
     full = vocab // BLOCK
     blocks = scores[:, : full * BLOCK].view(n, full, BLOCK)
     block_max = blocks.amax(-1)  # read 1
@@ -119,7 +127,12 @@ def candidates(scores: Tensor, width: int, *, logits: bool = False,
     """The ``width`` candidates of every row of ``scores`` ([n, V]): logits (``logits=True``;
     probabilities softmax(scale * scores)) or probabilities (entries <= 0 count as zero; rows
     are normalized by their sum). Rows that are not distributions (NaN, +inf, no mass) come out
-    with ``valid`` False."""
+    with ``valid`` False. Logits on a device of `SOFTMAX_NORMALIZER`, eagerly: the probabilities
+    of one softmax, then as probabilities."""
+    if logits and SOFTMAX_NORMALIZER.get(scores.device.type) and \
+            not torch.compiler.is_compiling():
+        scaled = scores if scale is None else scores * scale.unsqueeze(-1)
+        return candidates(torch.softmax(scaled, -1), width)
     values, index, others = _top(scores, width, logits, scale)
     if logits:
         scaled = values.to(torch.float64)

@@ -9,9 +9,17 @@ support values are scattered in; nothing else of the row is read.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 Tensor = torch.Tensor
+
+#: Device types whose write fills rows with a read-write op (a one-sided clamp, a product)
+#: instead of the write-only masked fill: on a CPU the masked fill with a per-row mask is a
+#: scalar loop, 6 to 8 times slower than a vectorized clamp (3.1 ms against 0.5 ms at
+#: [64, 128256]); on a GPU the write-only fill saves a read of the batch.
+READ_WRITE_FILL: dict[str, bool] = {"cpu": True}
 
 
 def output_values(log_q: Tensor, logits: bool, dtype: torch.dtype,
@@ -46,7 +54,15 @@ def write_support(out: Tensor | None, index: Tensor, values: Tensor, fill: float
         return out
     assert keep is not None
     keep = keep.unsqueeze(-1)
-    if out is None:
+    device = (out if out is not None else source).device
+    if READ_WRITE_FILL.get(device.type) and not torch.compiler.is_compiling():
+        if fill == 0.0:  # probabilities: kept rows are finite, the others are multiplied by 1
+            factor = (~keep).to(values.dtype)
+            out = source * factor if out is None else out.mul_(factor)
+        else:  # -inf: a one-sided bound, +inf on the rows not kept
+            bound = torch.where(keep, fill, math.inf).to(values.dtype)
+            out = torch.minimum(source, bound) if out is None else out.clamp_(max=bound)
+    elif out is None:
         out = source.masked_fill(keep, fill)
     else:
         out.masked_fill_(keep, fill)
