@@ -86,11 +86,12 @@ def _top(scores: Tensor, width: int, logits: bool, scale: Tensor | None
     entry (its log for logits), from positive terms."""
     n, vocab = scores.shape
     empty = -math.inf if logits else 0.0
-    if width * BLOCK >= vocab:  # few blocks: the whole row (small vocabularies only)
-        if width >= vocab:
-            values, index = torch.sort(scores, dim=-1, descending=True)
-        else:
-            values, index = torch.topk(scores, width, dim=-1)
+    if width >= vocab:  # the whole row: nothing left outside
+        values, index = torch.sort(scores, dim=-1, descending=True)
+        return values, index, torch.full((n,), empty, dtype=torch.float64,
+                                         device=scores.device)
+    if width * BLOCK >= vocab:  # few blocks: a plain top-k (small vocabularies only)
+        values, index = torch.topk(scores, width, dim=-1)
         rest = _mass(scores.scatter(1, index, empty), logits, scale)
         return values, index, rest if logits else rest.to(torch.float64)
     full = vocab // BLOCK

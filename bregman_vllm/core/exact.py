@@ -353,11 +353,12 @@ def _support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor)
         sub = take(cand, adaptive)
         a, lm = alpha[adaptive], lam[adaptive]
         raised = torch.zeros_like(bounded)
-        if plan.generator is None:
+        closed = plan.family in CLOSED_GAP_FAMILIES  # every gap of the round at once
+        if plan.generator is None and not closed:
             floor = torch.minimum(_floor_sizes(plan.mode, sub, a, lm), upper)
             raised = floor > lo
             lo = torch.maximum(lo, floor)
-        if plan.family in CLOSED_GAP_FAMILIES:
+        if closed:
             gaps = closed_gaps(plan.family, sub.x, sub.deficit)
             # Column j is k = j + 1; the last column (k = width) always stops.
             gaps = torch.nn.functional.pad(gaps, (0, 1), value=-math.inf)
