@@ -233,9 +233,10 @@ def _search(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
 
     Rows starting at low = 1: one window probe decides G(1 .. WINDOW) at once (k* is usually
     small), then galloping (m = low, low + 1, low + 3, ...) and bisection: O(log k*) probes. Rows
-    of a later candidate round (low > 1, high = 8 low) bisect [low, high], or gallop from low
-    where ``raised`` says low comes from the gap floor (`_floor_sizes`: k* is usually just past
-    it). All rows advance together; each probe runs only on the rows still searching.
+    of a later candidate round (low > 1, high = 8 low) bisect [low, high]; where ``raised``
+    says low comes from the gap floor (`_floor_sizes`), the first probe is at low itself (the
+    floor is often k* exactly: next to alpha = 1 in dual mode, at tiny lambda), then bisection.
+    All rows advance together; each probe runs only on the rows still searching.
 
     Returns (k*, log T_k* for the rows the window resolved ([n, W]), which rows those are).
     """
@@ -267,7 +268,8 @@ def _search(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
         cache[active] = torch.gather(maps, 1, pick).squeeze(1)
         cached[active] = resolved
     step = torch.ones_like(low)
-    galloping = first_round | raised
+    galloping = first_round.clone()
+    at_low = raised.clone()
     while True:
         active = (low < high).nonzero().squeeze(-1)
         if active.numel() == 0:
@@ -275,6 +277,8 @@ def _search(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
         lo, hi = low[active], high[active]
         gal = galloping[active]
         m = torch.where(gal, torch.minimum(lo + step[active] - 1, hi - 1), (lo + hi) // 2)
+        m = torch.where(at_low[active], lo, m)
+        at_low[active] = False
         sub = take(cand, active)
         exceeds = _window_exceeds(family, mode, sub, m, 1, alpha[active], lam[active],
                                   generator)[0][:, 0]
