@@ -386,64 +386,71 @@ REFUSED = {
 }
 
 
-def _seconds(fn: Callable[[], object], device: str, repeats: int) -> float:
-    """Median seconds of ``fn`` after a first (warm-up) call; a call of more than two seconds
-    is timed once (the old core's extremes take up to minutes)."""
-    run = timer(fn, device)
-    first = run()
-    if first > 2.0:
-        return first
-    return statistics.median(run() for _ in range(repeats))
+def _side_by_side(calls: list[Callable[[], object]], device: str, repeats: int
+                  ) -> list[float]:
+    """Median seconds of each call, the calls alternating (so that the load of a shared
+    machine hits them alike), after a first (warm-up) call of each; calls of more than two
+    seconds are timed once (the old core's extremes take up to minutes)."""
+    runs = [timer(call, device) for call in calls]
+    first = [run() for run in runs]
+    samples: list[list[float]] = [[] for _ in runs]
+    for _ in range(1 if max(first) > 2.0 else repeats):
+        for run, sample in zip(runs, samples, strict=True):
+            sample.append(run())
+    return [statistics.median(sample) for sample in samples]
 
 
 def extremes_table(args, device: str) -> None:
     """One `bregman_decode_logits` call per extreme configuration, on realistic and on flat
     rows, beside the default configuration on the same rows: the cost multiple (x default) and
     whether the output is a distribution (no NaN). With ``--baseline``, the same call on the
-    old core, each case's old and new calls side by side."""
+    old core, alternating with the new one."""
     from bregman_vllm import BregmanParamError
 
     batch, vocab = (int(x) for x in args.extremes_shape.lower().split("x"))
     old = load_baseline(args.baseline, "bregman_decode_logits") if args.baseline else None
-    repeats = max(1, args.repeats // 2)
     g = torch.Generator(device="cpu").manual_seed(0)
     scale = 3.0 + 4.0 * torch.rand(batch, 1, generator=g)
     inputs = {"realistic": torch.randn(batch, vocab, generator=g) * scale,
               "flat": torch.randn(batch, vocab, generator=g) * 0.3}
     for kind, logits in inputs.items():
         logits = logits.to(device)
-        print(f"\nextremes at [{batch}, {vocab}], {kind} rows (median ms after a warm-up call; "
-              f"x default: over the default configuration on the same rows)")
+        print(f"\nextremes at [{batch}, {vocab}], {kind} rows (median ms, calls alternating "
+              f"after a warm-up call; x default: over the default configuration, same rows)")
         print(f"{'case':<36} {'ms':>10} {'x default':>10} {'finite':>6}"
               + (f" {'old ms':>10} {'new/old':>8}" if old else ""))
-        default = _seconds(lambda logits=logits: bregman_decode_logits(
-            logits, **EXTREMES["default primal a=1.5 lam=1e-2"]), device, args.repeats)
+        default_call = lambda logits=logits: bregman_decode_logits(  # noqa: E731
+            logits, **EXTREMES["default primal a=1.5 lam=1e-2"])
         worst = ("", 0.0)
         for name, kwargs in {**EXTREMES, **REFUSED}.items():
             call = lambda kwargs=kwargs, logits=logits: bregman_decode_logits(  # noqa: E731
                 logits, **kwargs)
+            calls, line = [default_call], f"{name:<36}"
             try:
                 finite = not bool(torch.isnan(call()).any())
+                calls.append(call)
             except BregmanParamError:
-                line, seconds = f"{name:<36} {'refused (400)':>21} {'':>6}", None
-            else:
-                seconds = _seconds(call, device, repeats)
-                line = f"{name:<36} {seconds * 1e3:10.2f} {seconds / default:10.1f} " \
-                       f"{'yes' if finite else 'NaN':>6}"
-                if seconds / default > worst[1]:
-                    worst = (name, seconds / default)
+                line += f" {'refused (400)':>21} {'':>6}"
+            old_note = ""
             if old is not None:
                 try:
-                    previous = old(logits, **kwargs)
-                    nan = " NaN" if bool(torch.isnan(previous).any()) else ""
-                    old_seconds = _seconds(lambda kwargs=kwargs, logits=logits: old(
-                        logits, **kwargs), device, repeats)
-                    ratio = f"{seconds / old_seconds:8.2f}" if seconds else f"{'':>8}"
-                    line += f" {old_seconds * 1e3:10.1f} {ratio}{nan}"
+                    nan = " NaN" if bool(torch.isnan(old(logits, **kwargs)).any()) else ""
+                    calls.append(lambda kwargs=kwargs, logits=logits: old(logits, **kwargs))
                 except Exception as error:  # the old core's own refusal
-                    line += f" {type(error).__name__:>10}"
-            print(line, flush=True)
-        print(f"default {default * 1e3:.2f} ms; worst multiple {worst[1]:.0f}x ({worst[0]})")
+                    old_note = f" {type(error).__name__:>10}"
+            seconds = _side_by_side(calls, device, max(1, args.repeats // 2))
+            default = seconds[0]
+            new = seconds[1] if len(calls) > 1 and calls[1] is call else None
+            if new is not None:
+                line += f" {new * 1e3:10.2f} {new / default:10.1f} " \
+                        f"{'yes' if finite else 'NaN':>6}"
+                if new / default > worst[1]:
+                    worst = (name, new / default)
+            if old is not None and not old_note:
+                ratio = f"{new / seconds[-1]:8.2f}" if new is not None else f"{'':>8}"
+                old_note = f" {seconds[-1] * 1e3:10.1f} {ratio}{nan}"
+            print(line + old_note, flush=True)
+        print(f"worst multiple {worst[1]:.0f}x ({worst[0]})")
 
 
 def main() -> None:
