@@ -473,6 +473,29 @@ def test_one_bad_row_never_disables_the_others(monkeypatch):
     assert processor_module.telemetry is telemetry
 
 
+def test_a_failing_family_under_model_runner_v2_keeps_the_temperature(logits, monkeypatch):
+    """V2, temperature 0.8: when one family's decoder fails, the processor decodes the other
+    families group by group, each with its rows' temperature (T log q, as the whole step
+    writes it), and the failing rows keep their logits."""
+    proc, ctx = v2_processor(MIXED[:2])
+    want = proc.apply(logits.clone(), ctx)
+    real = step_module.closed_search
+
+    def broken(family, *args, **kwargs):
+        if family.value == "kl":
+            raise RuntimeError("simulated bug in the KL window")
+        return real(family, *args, **kwargs)
+
+    monkeypatch.setattr(step_module, "closed_search", broken)
+    monkeypatch.setattr(telemetry, "_last_warning", -math.inf)
+    out = proc.apply(logits.clone(), ctx)
+    order = list(reversed(range(BATCH)))  # the context's row -> slot order
+    kl = [row for row, slot in enumerate(order) if slot % 2 == 0]
+    other = [row for row, slot in enumerate(order) if slot % 2 == 1]
+    assert torch.equal(out[kl], logits[kl])
+    torch.testing.assert_close(out[other], want[other], rtol=0, atol=1e-6)
+
+
 def test_a_failing_exact_path_never_decodes_the_batch_twice(monkeypatch):
     """The fixed step writes a whole-batch group in place before the exact path redoes the
     uncertified rows. If the exact path fails, the batch already holds decoded rows: the

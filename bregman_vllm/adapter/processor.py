@@ -326,7 +326,7 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
                 telemetry.record_failure(1, self.interface, error)
                 return logits
         for group in plan.groups:
-            single = Plan((group,), plan.batch, plan.vocab, plan.scale)
+            single = plan.with_groups((group,))
             try:
                 decode_step(logits, single, logits=True, inplace=True)
             except Exception:
@@ -341,7 +341,7 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
             try:
                 single = plan_requests([(position, params)], batch=plan.batch,
                                        vocab=plan.vocab, device=self.device)
-                single = Plan(single.groups, single.batch, single.vocab, plan.scale)
+                single = plan.with_groups(single.groups)
                 decode_step(logits, single, logits=True, inplace=True)
             except Exception as error:
                 telemetry.record_failure(1, self.interface, error)

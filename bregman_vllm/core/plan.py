@@ -129,6 +129,10 @@ class Plan:
         self.derived[compiled] = (alone, joints)
         return alone, joints
 
+    def with_groups(self, groups: tuple[Group, ...]) -> Plan:
+        """This plan's batch (its temperatures too) with only ``groups``."""
+        return Plan(groups, self.batch, self.vocab, self.scale, self.temperature)
+
     @property
     def joints(self) -> tuple[Joint, ...]:
         """The joint passes of the eager step (`passes`)."""
