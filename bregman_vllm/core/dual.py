@@ -154,7 +154,11 @@ def nested_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
         rate = torch.where(finite, em1 / (beta * em1 + 1.0), 1.0 / beta)
         return q, rate, z_new
 
-    state = {"z": torch.zeros_like(log_p)}
+    # Inner start: the root at beta = 0, y = -log(1 - e^t) (the KL limit, an upper end of the
+    # root since beta y > 0), close to it when beta y is small (alpha next to 1, where the
+    # search probes the widest supports); the safeguarded Newton clamps it into its bracket.
+    first = (start.unsqueeze(-1) - beta * lp).clamp_max(-1e-300)
+    state = {"z": torch.log(-torch.log1p(-torch.exp(first)))}
 
     def outer(s_value: Tensor) -> tuple[Tensor, Tensor]:
         q, state["rate"], state["z"] = outputs(s_value, state["z"])
