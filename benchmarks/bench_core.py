@@ -9,7 +9,10 @@ ratios to ``torch.softmax`` over the same [B, V] tensor:
   dual alpha = 1.5 and 3 (nested root finding), fixed top-k;
 * vLLM's own ``apply_top_k_top_p`` with top-p 0.9 (when vLLM is importable);
 * worst cases: lambda = 0, lambda tiny on flat distributions (k* in the thousands), which grow
-  the candidate set up to a full sort of the row.
+  the candidate set up to a full sort of the row;
+* extreme parameters (``--only extremes``): every end of every range of the parameter model
+  beside the default configuration on the same rows (the cost multiple), realistic and flat
+  rows, and with ``--baseline`` the old core's time (issue 18).
 
 Targets (this CPU): adaptive primal alpha = 1.5 at [64, 128256] within 3x one softmax pass; dual
 within 6x.
@@ -36,6 +39,7 @@ torch.compile'd fixed-shape groups (``BREGMAN_COMPILE=1``; compiled once in the 
     python benchmarks/bench_core.py --quick    # small sizes (smoke test)
     python benchmarks/bench_core.py --device cuda --batch 64 256 --vocab 128256 --compile both
     python benchmarks/bench_core.py --only ratios --batch 64 --vocab 128256 --baseline 3ef72a5
+    python benchmarks/bench_core.py --only extremes --extremes-shape 8x49152 --baseline d9c8b1c
 
 ``--baseline REV`` adds, interleaved with every decoder row of the ratio tables, the same call
 on the core of git revision REV (its ``bregman_vllm`` extracted with ``git archive`` into a
@@ -482,6 +486,7 @@ def main() -> None:
     if args.quick:
         args.batch, args.vocab, args.repeats = [1, 4], [4096], 2
         args.step_shapes = ["4x4096"]
+        args.extremes_shape = "4x4096"
     device = args.device
     torch.manual_seed(0)
     print(f"device {device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
