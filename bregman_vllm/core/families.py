@@ -13,7 +13,8 @@ maps coincide at alpha in {1, 2, +inf} (Appendix G.3).
 =================  ====================================================================
 family             rows
 =================  ====================================================================
-``KEEP_ALL``       lambda = 0, no fixed k, no cap: k* is the whole support (cost(k) decreases)
+``KEEP_ALL``       no fixed k, no cap, and lambda = 0 or too small to drop 1e-9 of mass
+                   (`keeps_all`): k* is the whole support
 ``KL``             primal alpha = 1 (standard top-k renormalization, eq. (1)); dual alpha = 1
 ``THREE_HALVES``   primal alpha = 3/2 (Proposition 4.1)
 ``SQUARE``         alpha = 2, primal or dual (Proposition 4.1; the two maps coincide)
