@@ -9,7 +9,10 @@ ratios to ``torch.softmax`` over the same [B, V] tensor:
   dual alpha = 1.5 and 3 (nested root finding), fixed top-k;
 * vLLM's own ``apply_top_k_top_p`` with top-p 0.9 (when vLLM is importable);
 * worst cases: lambda = 0, lambda tiny on flat distributions (k* in the thousands), which grow
-  the candidate set up to a full sort of the row.
+  the candidate set up to a full sort of the row;
+* extreme parameters (``--only extremes``): every end of every range of the parameter model
+  beside the default configuration on the same rows (the cost multiple), realistic and flat
+  rows, and with ``--baseline`` the old core's time (issue 18).
 
 Targets (this CPU): adaptive primal alpha = 1.5 at [64, 128256] within 3x one softmax pass; dual
 within 6x.
@@ -36,6 +39,7 @@ torch.compile'd fixed-shape groups (``BREGMAN_COMPILE=1``; compiled once in the 
     python benchmarks/bench_core.py --quick    # small sizes (smoke test)
     python benchmarks/bench_core.py --device cuda --batch 64 256 --vocab 128256 --compile both
     python benchmarks/bench_core.py --only ratios --batch 64 --vocab 128256 --baseline 3ef72a5
+    python benchmarks/bench_core.py --only extremes --extremes-shape 8x49152 --baseline d9c8b1c
 
 ``--baseline REV`` adds, interleaved with every decoder row of the ratio tables, the same call
 on the core of git revision REV (its ``bregman_vllm`` extracted with ``git archive`` into a
@@ -48,6 +52,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import io
+import math
 import os
 import statistics
 import subprocess
@@ -119,10 +124,11 @@ Decoder = Callable[..., object]
 BASELINE_PACKAGE = "bregman_vllm_baseline"
 
 
-def load_baseline(revision: str) -> Decoder:
-    """``bregman_decode`` of the core at git ``revision``: its package extracted into a
-    temporary folder under `BASELINE_PACKAGE` (the core imports itself relatively; the
-    package's lazy top-level names do not, so the decode module is imported directly)."""
+def load_baseline(revision: str, name: str = "bregman_decode") -> Decoder:
+    """``bregman_decode`` (or another function of ``core.decode``) of the core at git
+    ``revision``: its package extracted into a temporary folder under `BASELINE_PACKAGE` (the
+    core imports itself relatively; the package's lazy top-level names do not, so the decode
+    module is imported directly)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     archive = subprocess.run(["git", "-C", root, "archive", revision, "bregman_vllm"],
                              check=True, capture_output=True).stdout
@@ -132,10 +138,11 @@ def load_baseline(revision: str) -> Decoder:
     os.rename(os.path.join(folder, "bregman_vllm"), os.path.join(folder, BASELINE_PACKAGE))
     sys.path.insert(0, folder)
     try:
-        decode = importlib.import_module(BASELINE_PACKAGE + ".core.decode").bregman_decode
+        decode = getattr(importlib.import_module(BASELINE_PACKAGE + ".core.decode"), name)
     finally:
         sys.path.remove(folder)
-    if decode is bregman_decode or not decode.__module__.startswith(BASELINE_PACKAGE):
+    if decode in (bregman_decode, bregman_decode_logits) or \
+            not decode.__module__.startswith(BASELINE_PACKAGE):
         raise RuntimeError(f"the baseline {revision} resolved to the current core")
     return decode
 
@@ -287,7 +294,7 @@ def float64_check(logits: torch.Tensor, kwargs: dict) -> tuple[float, bool]:
     sizes = torch.full((n,), fixed, dtype=torch.long)
     plan = exact_plan(kwargs.get("mode", "primal"), row(kwargs["alpha"]), row(kwargs["lam"]),
                       sizes, torch.full((n,), cap, dtype=torch.long))
-    decode_exact(want, k_want, p, plan, torch.exp)
+    decode_exact(want, k_want, p, plan, logits=False)
     q = torch.exp(out.detach().to("cpu", torch.float64))
     return float((q - want).abs().max()), bool(torch.equal(k.cpu(), k_want))
 
@@ -338,6 +345,122 @@ def step_table(batch: int, vocab: int, device: str, repeats: int, compile_modes:
             os.environ["BREGMAN_COMPILE"] = previous
 
 
+# ----------------------------------------------------------------------------- extremes
+
+TINY, BIGGEST, LIMIT = 5e-324, 1.7976931348623157e308, 1e8
+#: The default configuration, then every end of the parameter model's ranges
+#: (`bregman_vllm.params`: alpha next to 0, next to 1 and at +-1e8 or +-inf, lambda 0 to the
+#: largest double, k_max / top_k 1 to 2^31 - 1), the values of issue 18's findings (now the
+#: range ends), and the costliest interior values known: a tiny lambda with an iterative or a
+#: general dual alpha (k* in the thousands: the exact path's nested root finding).
+EXTREMES: dict[str, dict] = {
+    "default primal a=1.5 lam=1e-2": dict(alpha=1.5, lam=1e-2),
+    "primal a=5e-324": dict(alpha=TINY, lam=1e-2),
+    "primal a=1e-8 lam=1e300": dict(alpha=1e-8, lam=1e300),
+    "primal a=1e8": dict(alpha=LIMIT, lam=1e-2),
+    "primal a=1e8 lam=5e-324": dict(alpha=LIMIT, lam=TINY),
+    "primal a=1e8 k_max=2": dict(alpha=LIMIT, lam=1e-2, k_max=2),
+    "primal lam=0": dict(alpha=1.5, lam=0.0),
+    "primal lam=5e-324": dict(alpha=1.5, lam=TINY),
+    "primal lam=1.8e308": dict(alpha=1.5, lam=BIGGEST),
+    "primal k_max=1": dict(alpha=1.5, lam=1e-2, k_max=1),
+    "primal k_max=2^31-1": dict(alpha=1.5, lam=1e-9, k_max=2**31 - 1),
+    "primal top_k=1 a=-1e8": dict(alpha=-LIMIT, lam=0.0, top_k=1),
+    "primal top_k=50 a=-inf": dict(alpha=-math.inf, lam=0.0, top_k=50),
+    "primal top_k=50 a=5e-324": dict(alpha=TINY, lam=0.0, top_k=50),
+    "primal top_k=50 a=1e8": dict(alpha=LIMIT, lam=0.0, top_k=50),
+    "primal top_k=2^31-1 a=3": dict(alpha=3.0, lam=0.0, top_k=2**31 - 1),
+    "dual a=1+2^-52": dict(alpha=1 + 2**-52, lam=1e-2, mode="dual"),
+    "dual a=1+1e-9": dict(alpha=1 + 1e-9, lam=1e-2, mode="dual"),
+    "dual a=1+1e-6": dict(alpha=1 + 1e-6, lam=1e-2, mode="dual"),
+    "dual a=1e8": dict(alpha=LIMIT, lam=1e-2, mode="dual"),
+    "dual a=1e8 k_max=2": dict(alpha=LIMIT, lam=1e-2, k_max=2, mode="dual"),
+    "dual a=1e8 lam=5e-324": dict(alpha=LIMIT, lam=TINY, mode="dual"),
+    "dual top_k=50 a=1+2^-52": dict(alpha=1 + 2**-52, lam=0.0, top_k=50, mode="dual"),
+    "dual top_k=50 a=1e8": dict(alpha=LIMIT, lam=0.0, top_k=50, mode="dual"),
+    "dual top_k=50 a=inf": dict(alpha=math.inf, lam=0.0, top_k=50, mode="dual"),
+    "primal a=3 lam=1e-12 (interior)": dict(alpha=3.0, lam=1e-12),
+    "dual a=2.5 lam=1e-12 (interior)": dict(alpha=2.5, lam=1e-12, mode="dual"),
+    "dual a=1.001 lam=1e-2 (interior)": dict(alpha=1.001, lam=1e-2, mode="dual"),
+}
+#: The findings of issue 18, refused by the parameter model now (|alpha| above 1e8).
+REFUSED = {
+    "dual a=1e308": dict(alpha=1e308, lam=1e-2, mode="dual"),
+    "primal a=1e308 k_max=2": dict(alpha=1e308, lam=1e-2, k_max=2),
+}
+
+
+def _side_by_side(calls: list[Callable[[], object]], device: str, repeats: int
+                  ) -> list[float]:
+    """Median seconds of each call, the calls alternating (so that the load of a shared
+    machine hits them alike), after a first (warm-up) call of each; calls of more than two
+    seconds are timed once (the old core's extremes take up to minutes)."""
+    runs = [timer(call, device) for call in calls]
+    first = [run() for run in runs]
+    samples: list[list[float]] = [[] for _ in runs]
+    for _ in range(1 if max(first) > 2.0 else repeats):
+        for run, sample in zip(runs, samples, strict=True):
+            sample.append(run())
+    return [statistics.median(sample) for sample in samples]
+
+
+def extremes_table(args, device: str) -> None:
+    """One `bregman_decode_logits` call per extreme configuration, on realistic and on flat
+    rows, beside the default configuration on the same rows: the cost multiple (x default) and
+    whether the output is a distribution (no NaN). With ``--baseline``, the same call on the
+    old core, alternating with the new one."""
+    from bregman_vllm import BregmanParamError
+
+    batch, vocab = (int(x) for x in args.extremes_shape.lower().split("x"))
+    old = load_baseline(args.baseline, "bregman_decode_logits") if args.baseline else None
+    g = torch.Generator(device="cpu").manual_seed(0)
+    scale = 3.0 + 4.0 * torch.rand(batch, 1, generator=g)
+    inputs = {"realistic": torch.randn(batch, vocab, generator=g) * scale,
+              "flat": torch.randn(batch, vocab, generator=g) * 0.3}
+    for kind, logits in inputs.items():
+        logits = logits.to(device)
+        print(f"\nextremes at [{batch}, {vocab}], {kind} rows (median ms, calls alternating "
+              f"after a warm-up call; x default: over the default configuration on the same rows, "
+              f"the median of its calls in this table so far)")
+        print(f"{'case':<36} {'ms':>10} {'x default':>10} {'finite':>6}"
+              + (f" {'old ms':>10} {'new/old':>8}" if old else ""))
+        default_call = lambda logits=logits: bregman_decode_logits(  # noqa: E731
+            logits, **EXTREMES["default primal a=1.5 lam=1e-2"])
+        worst = ("", 0.0)
+        defaults: list[float] = []
+        for name, kwargs in {**EXTREMES, **REFUSED}.items():
+            call = lambda kwargs=kwargs, logits=logits: bregman_decode_logits(  # noqa: E731
+                logits, **kwargs)
+            calls, line = [default_call], f"{name:<36}"
+            try:
+                finite = not bool(torch.isnan(call()).any())
+                calls.append(call)
+            except BregmanParamError:
+                line += f" {'refused (400)':>21} {'':>6}"
+            old_note = ""
+            if old is not None:
+                try:
+                    nan = " NaN" if bool(torch.isnan(old(logits, **kwargs)).any()) else ""
+                    calls.append(lambda kwargs=kwargs, logits=logits: old(logits, **kwargs))
+                except Exception as error:  # the old core's own refusal
+                    old_note = f" {type(error).__name__:>10}"
+            seconds = _side_by_side(calls, device, max(1, args.repeats // 2))
+            defaults.append(seconds[0])
+            default = statistics.median(defaults)  # (the default of every case so far)
+            new = seconds[1] if len(calls) > 1 and calls[1] is call else None
+            if new is not None:
+                line += f" {new * 1e3:10.2f} {new / default:10.1f} " \
+                        f"{'yes' if finite else 'NaN':>6}"
+                if new / default > worst[1]:
+                    worst = (name, new / default)
+            if old is not None and not old_note:
+                ratio = f"{new / seconds[-1]:8.2f}" if new is not None else f"{'':>8}"
+                old_note = f" {seconds[-1] * 1e3:10.1f} {ratio}{nan}"
+            print(line + old_note, flush=True)
+        print(f"default {statistics.median(defaults) * 1e3:.2f} ms (median over the cases); "
+              f"worst multiple {worst[1]:.0f}x ({worst[0]})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -349,8 +472,11 @@ def main() -> None:
                         help="shapes BxV of the GPU-readiness table (none: skip it)")
     parser.add_argument("--compile", choices=["0", "1", "both"], default="0",
                         help="GPU-readiness table: eager (0), compiled (1) or both")
-    parser.add_argument("--only", choices=["ratios", "steps"],
-                        help="run only the ratio tables or only the GPU-readiness table")
+    parser.add_argument("--only", choices=["ratios", "steps", "extremes"],
+                        help="run only the ratio tables, the GPU-readiness table or the "
+                             "extreme-parameter table")
+    parser.add_argument("--extremes-shape", default="64x49152",
+                        help="BxV of the extreme-parameter table")
     parser.add_argument("--baseline", metavar="REV",
                         help="ratio tables: also time the core of git revision REV, "
                              "interleaved (e.g. 3ef72a5, the core before the fixed-shape step)")
@@ -360,14 +486,17 @@ def main() -> None:
     if args.quick:
         args.batch, args.vocab, args.repeats = [1, 4], [4096], 2
         args.step_shapes = ["4x4096"]
+        args.extremes_shape = "4x4096"
     device = args.device
     torch.manual_seed(0)
     print(f"device {device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     if device.startswith("cuda"):
         print(f"gpu {torch.cuda.get_device_name()}")
-    if args.only != "steps":
+    if args.only in (None, "ratios"):
         ratio_tables(args, device)
-    if args.only != "ratios" and args.step_shapes:
+    if args.only in (None, "extremes"):
+        extremes_table(args, device)
+    if args.only not in ("ratios", "extremes") and args.step_shapes:
         print("\nGPU readiness: one bregman_decode_logits call per configuration")
         modes = {"0": ["0"], "1": ["1"], "both": ["0", "1"]}[args.compile]
         for shape in args.step_shapes:

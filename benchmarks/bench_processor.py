@@ -134,7 +134,8 @@ def bench_joint(repeats: int) -> None:
         plans = {"joint": plan_requests(requests, batch=batch, vocab=vocab, device="cpu"),
                  "per family": plan_requests(requests, batch=batch, vocab=vocab,
                                              device="cpu")}
-        plans["per family"].__dict__["joints"] = ()  # the cached property, emptied
+        per_family = plans["per family"]
+        per_family.derived[False] = (per_family.groups, ())  # the eager passes, no joint
         launches, samples = {}, {name: [] for name in plans}
         for name, plan in plans.items():
             decode_step(logits.clone(), plan, logits=True, inplace=True)
@@ -162,7 +163,6 @@ def bench_metrics(repeats: int) -> None:
     from vllm.v1.sample.logits_processor import BatchUpdate
 
     from bregman_vllm.adapter import BregmanLogitsProcessor
-    from bregman_vllm.core.step import StepStats
 
     class Off:
         def record(self, *args: object) -> None:
@@ -204,7 +204,7 @@ def bench_metrics(repeats: int) -> None:
                     record_times = []
                     for _ in range(20 * repeats):
                         start = time.perf_counter()
-                        recorder.record(plan, k, StepStats())
+                        recorder.record(plan, k, 0)
                         record_times.append(time.perf_counter() - start)
                     on, off = statistics.median(times[True]), statistics.median(times[False])
                     rec = statistics.median(record_times)

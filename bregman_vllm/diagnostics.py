@@ -9,6 +9,11 @@ can be counted on the CPU by watching the ATen ops a call dispatches
   ``repeat_interleave`` without an output size, ``.tolist()``), tensors made from host data
   (``torch.tensor([...])``) and copies between the host and a device;
 * **launches**: every op that is not a view (on a GPU each one is at least one kernel launch);
+* **passes** over the batch (with ``full``, the element count of the batch): ops that read a
+  whole [n, V] tensor, and ops that write one (a new tensor or in place), one pass each; the
+  time of a memory-bound GPU step is about passes x n x V x 4 bytes / bandwidth. Gathers and
+  scatters of K entries per row, views and allocations are no pass; ``full_tensors`` counts the
+  [n, V] tensors made (the output of an out-of-place call is one);
 * **peak extra memory**: the largest number of bytes held at once by tensors the call created.
 
 Example:
@@ -78,13 +83,52 @@ def _is_sync(name: str, args: tuple, kwargs: dict) -> bool:
     return False
 
 
-class DispatchCounter(TorchDispatchMode):
-    """Counts host syncs and launched (non-view) ops of everything run inside it."""
+#: In-place ops that write their first argument without reading it.
+_WRITE_ONLY = frozenset({"aten::fill_", "aten::zero_", "aten::masked_fill_", "aten::copy_",
+                         "aten::index_fill_", "aten::index_copy_"})
+#: In-place ops that write K entries per row of their first argument (no pass over it).
+_SPARSE_WRITES = frozenset({"aten::scatter_", "aten::index_put_", "aten::_index_put_impl_",
+                            "aten::scatter_add_", "aten::scatter_reduce_", "aten::put_"})
+#: Ops that read K entries per row of their first argument (no pass over it).
+_SPARSE_READS = frozenset({"aten::gather", "aten::take"})
 
-    def __init__(self) -> None:
+
+def _written(name: str, args: tuple, out: Any) -> list[torch.Tensor]:
+    """The tensors an op writes: its outputs, and its first argument when it is in place."""
+    if name.endswith("_") and args and isinstance(args[0], torch.Tensor):
+        if name in _SPARSE_WRITES:
+            return []
+        if name == "aten::index_copy_":  # the rows of the source
+            return [args[3]] if len(args) > 3 else []
+        if name == "aten::index_fill_":  # the rows named by the index
+            return [args[0].select(args[1], 0).expand(args[2].numel(), -1)] \
+                if args[0].dim() == 2 else [args[0]]
+        return [args[0]]
+    return list(_tensors(out))
+
+
+def _read(name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an op reads in full (first arguments of sparse or write-only ops excluded)."""
+    tensors = list(_tensors(list(args) + list(kwargs.values())))
+    if args and isinstance(args[0], torch.Tensor) and (
+            name in _SPARSE_READS or name in _SPARSE_WRITES or name in _WRITE_ONLY):
+        tensors = [t for t in tensors if t is not args[0]]
+    if name == "aten::index_select" and len(args) > 2:  # the rows it gathers
+        return [args[0].narrow(args[1], 0, min(args[2].numel(), args[0].shape[args[1]]))]
+    return tensors
+
+
+class DispatchCounter(TorchDispatchMode):
+    """Counts host syncs, launched (non-view) ops and (with ``full``) passes over the batch of
+    everything run inside it."""
+
+    def __init__(self, full: int | None = None) -> None:
         super().__init__()
+        self.full = full
         self.sync_ops: collections.Counter[str] = collections.Counter()
         self.launch_ops: collections.Counter[str] = collections.Counter()
+        self.pass_ops: collections.Counter[str] = collections.Counter()
+        self.full_tensors = 0
 
     @property
     def syncs(self) -> int:
@@ -94,14 +138,34 @@ class DispatchCounter(TorchDispatchMode):
     def launches(self) -> int:
         return sum(self.launch_ops.values())
 
+    @property
+    def passes(self) -> int:
+        return sum(self.pass_ops.values())
+
+    def _is_full(self, tensor: torch.Tensor) -> bool:
+        return self.full is not None and tensor.numel() >= self.full
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _qualified(func)
         if _is_sync(name, args, kwargs):
             self.sync_ops[name] += 1
-        if not func.is_view and name not in _NOT_LAUNCHES:
+        launch = not func.is_view and name not in _NOT_LAUNCHES
+        if launch:
             self.launch_ops[name] += 1
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if launch and self.full is not None:
+            storages = {id(t.untyped_storage()) for t in _read(name, args, kwargs)
+                        if self._is_full(t)}
+            self.pass_ops[name + " (read)"] += len(storages)
+            written = [t for t in _written(name, args, out) if self._is_full(t)]
+            self.pass_ops[name + " (write)"] += len(written)
+            if not name.endswith("_"):
+                self.full_tensors += len(written)
+        elif not func.is_view and self.full is not None and name in ("aten::empty",
+                                                                      "aten::empty_strided"):
+            self.full_tensors += sum(1 for t in _tensors(out) if self._is_full(t))
+        return out
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -150,27 +214,12 @@ def _tensors(value: Any):
 
 def compiled_launches(function: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
     """Run a ``torch.compile``d function once (compiling it now) and count the kernels its
-    compiled graphs launch per call: generated kernels (C++ on CPU, Triton on GPU) and the
-    ops inductor leaves to ATen or a library (``extern_kernels``, ``torch.ops.aten``).
-
-    A TorchDispatchMode cannot watch compiled code, so the count is read off the wrapper code
-    inductor generates. Returns (the function's result, the launch count).
-    """
-    import re
-
+    compiled graphs launch per call (`bregman_vllm.core.step.count_kernels`). A
+    TorchDispatchMode cannot watch compiled code, so the count is read off the wrapper code
+    inductor generates. Returns (the function's result, the launch count)."""
     from torch._inductor.utils import run_and_get_code
 
+    from .core.step import count_kernels
+
     result, sources = run_and_get_code(function, *args, **kwargs)
-    launches = 0
-    for source in sources:
-        if "def call(" not in source:
-            continue
-        body = source[source.index("def call("):]
-        for line in body.splitlines():
-            text = line.strip()
-            if text.startswith(("#", "assert_")) or not text:
-                continue
-            if re.search(r"\bcpp_fused_\w+\(|\btriton_\w+\.run\(|\bextern_kernels\.\w+\(|"
-                         r"\btorch\.ops\.aten\.\w+", text):
-                launches += 1
-    return result, launches
+    return result, count_kernels(sources)

@@ -11,11 +11,14 @@ Proposition 4.1, the special primal maps):
 ======  ==============  ==========================================================================
 mode    k               alpha
 ======  ==============  ==========================================================================
-primal  adaptive        0 < alpha < inf (for alpha <= 0 dropping a token costs +inf)
-primal  fixed top_k     alpha != 0, and the limits -inf and +inf (Proposition 4.1)
-dual    adaptive        1 < alpha < inf (dual-valid generators, Lemma 4.2)
-dual    fixed top_k     1 <= alpha <= inf
+primal  adaptive        0 < alpha <= 1e8 (for alpha <= 0 dropping a token costs +inf)
+primal  fixed top_k     0 < |alpha| <= 1e8, and the limits -inf and +inf (Proposition 4.1)
+dual    adaptive        1 < alpha <= 1e8 (dual-valid generators, Lemma 4.2)
+dual    fixed top_k     1 <= alpha <= 1e8, and the limit +inf
 ======  ==============  ==========================================================================
+
+Finite alphas beyond `ALPHA_LIMIT` (1e8) are refused: the map is its infinite limit there to
+within float32 resolution, while the powers in the cost leave float64's range.
 
 `lam` (lambda, the l0 price per kept token) is a finite number >= 0; `top_k` and `k_max` are
 integers >= 1 or absent. `k_max` caps the support size in both the adaptive and the fixed-k case.
@@ -26,7 +29,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 MODES: tuple[str, ...] = ("primal", "dual", "off")
@@ -79,8 +82,9 @@ FIELD_SPECS: tuple[FieldSpec, ...] = (
     FieldSpec(
         "bregman_alpha",
         'number, or the strings "inf" / "-inf"',
-        "adaptive primal: (0, inf); fixed-k primal: any value except 0, including -inf and inf; "
-        "adaptive dual: (1, inf); fixed-k dual: [1, inf]",
+        "adaptive primal: (0, 1e8]; fixed-k primal: [-1e8, 1e8] except 0, or -inf / inf; "
+        "adaptive dual: (1, 1e8]; fixed-k dual: [1, 1e8], or inf (beyond 1e8 the map equals "
+        "its inf / -inf limit to within 7e-9)",
         str(DEFAULT_ALPHA),
         "Exponent of the generator phi(x) = x^alpha / (alpha (alpha - 1)). alpha = 1 is the KL "
         "divergence (standard top-k renormalization); larger alpha spreads the mass more evenly "
@@ -112,51 +116,79 @@ FIELD_SPECS: tuple[FieldSpec, ...] = (
 )
 
 
+#: Largest finite |alpha| accepted. Beyond it the alpha maps equal their limits, water-filling
+#: (alpha -> inf) and the argmax fill (alpha -> -inf, Proposition 4.1), to within about
+#: ln 2 / |alpha| < 7e-9 of every probability (q_i = (p_i^b + c^b)^(1/b) lies between max(p_i, c)
+#: and 2^(1/b) max(p_i, c)), below float32 resolution; and every power x^alpha of the cost (eq. (6))
+#: under- or overflows float64 for x outside [0.99999, 1.00001]. Use "inf" / "-inf" with
+#: bregman_top_k for the limits themselves.
+ALPHA_LIMIT = 1e8
+
+_LIMIT_WHY = (
+    "|alpha| above 1e8 is refused: there the alpha map equals its limit "
+    "(water-filling for inf, the argmax fill for -inf) to within ln 2 / |alpha| < 7e-9 "
+    "(below float32 resolution) while its cost terms x^alpha leave float64's range; "
+    'use alpha "inf" or "-inf" with bregman_top_k for the limits')
+
+
 @dataclass(frozen=True)
 class AlphaRange:
-    """An interval of allowed alpha values, with its own human-readable description."""
+    """The allowed alpha values: a finite interval and, optionally, infinite alphas."""
 
     low: float
     high: float
     low_closed: bool
     high_closed: bool
     exclude_zero: bool = False
+    infinities: tuple[float, ...] = ()
     why: str = ""
 
     def contains(self, alpha: float) -> bool:
         if math.isnan(alpha):
             return False
+        if math.isinf(alpha):
+            return alpha in self.infinities
         if self.exclude_zero and alpha == 0.0:
             return False
         above = alpha >= self.low if self.low_closed else alpha > self.low
         below = alpha <= self.high if self.high_closed else alpha < self.high
         return above and below
 
+    def reason(self, alpha: float) -> str:
+        """Why ``alpha`` (outside the range) is refused."""
+        if math.isfinite(alpha) and abs(alpha) > ALPHA_LIMIT and \
+                self.contains(math.copysign(ALPHA_LIMIT, alpha)):
+            return _LIMIT_WHY
+        return self.why
+
     def text(self) -> str:
         left = "[" if self.low_closed else "("
         right = "]" if self.high_closed else ")"
         body = f"{left}{_fmt(self.low)}, {_fmt(self.high)}{right}"
-        return body + (" excluding 0" if self.exclude_zero else "")
+        body += " excluding 0" if self.exclude_zero else ""
+        if self.infinities:
+            body += ", or " + " / ".join(_fmt(value) for value in self.infinities)
+        return body
 
 
 ALPHA_RANGES: dict[tuple[str, bool], AlphaRange] = {
     ("primal", False): AlphaRange(
-        0.0, math.inf, False, False,
+        0.0, ALPHA_LIMIT, False, True,
         why="adaptive primal decoding needs alpha > 0 (for alpha <= 0 dropping any token costs "
         "+inf) and a finite alpha (use bregman_top_k for the inf / -inf limits)",
     ),
     ("primal", True): AlphaRange(
-        -math.inf, math.inf, True, True, exclude_zero=True,
+        -ALPHA_LIMIT, ALPHA_LIMIT, True, True, exclude_zero=True,
+        infinities=(-math.inf, math.inf),
         why="the primal alpha family is defined for every alpha except 0",
     ),
     ("dual", False): AlphaRange(
-        1.0, math.inf, False, False,
+        1.0, ALPHA_LIMIT, False, True,
         why="adaptive dual decoding needs a dual-valid generator, alpha > 1 (Lemma 4.2 of "
-            "arXiv 2505.19371), "
-        "and a finite alpha",
+            "arXiv 2505.19371), and a finite alpha",
     ),
     ("dual", True): AlphaRange(
-        1.0, math.inf, True, True,
+        1.0, ALPHA_LIMIT, True, True, infinities=(math.inf,),
         why="the dual renormalization map is defined for alpha >= 1",
     ),
 }
@@ -170,6 +202,8 @@ def alpha_range(mode: str, fixed_k: bool) -> AlphaRange:
 def _fmt(value: float) -> str:
     if math.isinf(value):
         return "inf" if value > 0 else "-inf"
+    if value != 0 and abs(value) >= 1e6:
+        return f"{value:.0e}".replace("e+0", "e").replace("e+", "e")
     return f"{value:g}"
 
 
@@ -287,7 +321,7 @@ def check_alpha(alpha: float, mode: str, fixed_k: bool, field: str = "bregman_al
         raise BregmanParamError(
             field,
             f"must be in {allowed.text()} for {selection} {mode} decoding, got {_fmt(alpha)}; "
-            f"{allowed.why}",
+            f"{allowed.reason(alpha)}",
         )
 
 
@@ -307,14 +341,10 @@ class BregmanParams:
     lam: float = DEFAULT_LAMBDA
     top_k: int | None = None
     k_max: int | None = None
-    _validated: bool = field(default=False, repr=False, compare=False)
 
-    @property
-    def enabled(self) -> bool:
-        return self.mode != "off"
-
-    def validated(self) -> BregmanParams:
-        """Check every field; return a normalized copy. Raises `BregmanParamError`."""
+    def __post_init__(self) -> None:
+        """Validate and normalize every field (raises `BregmanParamError`): a `BregmanParams`
+        is valid by construction, so what carries one never validates it again."""
         mode = parse_mode(self.mode)
         alpha = parse_alpha(self.alpha)
         lam = parse_lambda(self.lam)
@@ -322,7 +352,17 @@ class BregmanParams:
         k_max = parse_support_size(self.k_max, "bregman_k_max")
         if mode != "off":
             check_alpha(alpha, mode, fixed_k=top_k is not None)
-        return BregmanParams(mode, alpha, lam, top_k, k_max, _validated=True)
+        for name, value in (("mode", mode), ("alpha", alpha), ("lam", lam), ("top_k", top_k),
+                            ("k_max", k_max)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def validated(self) -> BregmanParams:
+        """The parameters themselves: they were validated when made (kept for callers)."""
+        return self
 
     @classmethod
     def from_mapping(
@@ -348,7 +388,7 @@ class BregmanParams:
             top_k=present.get("bregman_top_k", base.top_k),
             k_max=present.get("bregman_k_max", base.k_max),
         )
-        return params.validated()
+        return params
 
     def to_request(self) -> dict[str, Any]:
         """The ``bregman_*`` keys for ``vllm_xargs`` / ``SamplingParams.extra_args``.

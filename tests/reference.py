@@ -138,3 +138,137 @@ def top_k_costs(p: Sequence[float], a: float, lam: float, mode: str) -> list[flo
     """cost(k) for the top-k supports, k = 1..(number of positive entries)."""
     order = sorted((i for i, v in enumerate(p) if v > 0), key=lambda i: -p[i])
     return [cost(p, order[:k], a, lam, mode) for k in range(1, len(order) + 1)]
+
+
+# ----------------------------------------------------------------------------- high precision
+
+
+def precise_decode(p: Sequence[float], a: float, lam: float, mode: str, *, top_k: int = 0,
+                   k_max: int = 0, digits: int = 0) -> tuple[int, list[float]]:
+    """(k*, q) of problem (2) / (3) in mpmath arithmetic, for the parameters where float64
+    formulas cancel (alpha next to 1, next to 0 or huge): the same definitions as above
+    (Section 4's phi_alpha, eqs. (4) and (5) by bisection, cost(k) over the top-k supports, which
+    the greedy property makes sufficient) with enough digits for 1 / alpha and 1 / (alpha - 1).
+    ``digits`` overrides the precision. Returns floats."""
+    import mpmath
+
+    # Digits: 1 / alpha and 1 / (alpha - 1) multiply the cost terms that cancel in phi.
+    scale = max(math.log10(abs(a)) if math.isfinite(a) else 0.0, -math.log10(abs(a)),
+                -math.log10(abs(a - 1.0)) if a != 1.0 else 0.0)
+    with mpmath.workdps(digits or 30 + int(scale)):
+        steps = 90  # bisection to 2^-90 of the bracket: q to about 1e-27
+        epsilon = mpmath.mpf(10) ** (-30)
+        A, one, zero = mpmath.mpf(a), mpmath.mpf(1), mpmath.mpf(0)
+        xs = [mpmath.mpf(v) for v in p]
+        total = sum(xs)
+        xs = [v / total for v in xs]
+
+        def phi(x):
+            if A == 1:
+                return x * mpmath.log(x) if x > 0 else zero
+            return x**A / (A * (A - 1))
+
+        def dphi(x):
+            if A == 1:
+                return mpmath.log(x) + 1
+            return x ** (A - 1) / (A - 1)
+
+        def breg(x, y):
+            if x == y:
+                return zero
+            if y == 0:  # d(x, 0) = phi(x) - phi(0) + phi'(0) x, phi'(0) = 0 for alpha > 1
+                return phi(x) if A > 1 else mpmath.inf
+            return phi(x) - phi(y) - dphi(y) * (x - y)
+
+        def primal_entry(v, t, top):
+            """q_i of eq. (4) for an entry v when the largest entry ``top`` maps to t (f = phi'
+            inverted explicitly: q^b = v^b + (t^b - top^b), b = alpha - 1; the largest entries
+            take t itself, which the difference would cancel)."""
+            if v == top:
+                return t
+            b = A - 1
+            return (v**b + (t**b - top**b)) ** (1 / b)
+
+        def dual_entry(v, nu):
+            """q_i of eq. (5): the root of h(y) = (a-2) y + log(e^y - v) - log nu, y = log q,
+            on [log v, 0] (h increasing: dual validity), by Newton steps kept inside a shrinking
+            bisection bracket (in log space h is close to linear even for alpha = 1e8)."""
+            log_nu = mpmath.log(nu)
+            low, high = mpmath.log(v), zero
+            y = (low + high) / 2
+            for _ in range(4 * steps):
+                q = mpmath.exp(y)
+                value = (A - 2) * y + mpmath.log(q - v) - log_nu
+                if value > 0:
+                    high = y
+                else:
+                    low = y
+                newton = y - value / ((A - 2) + q / (q - v))
+                if abs(newton - y) <= epsilon * (1 + abs(y)) or high - low <= epsilon:
+                    break
+                y = newton if low < newton < high else (low + high) / 2
+            return mpmath.exp(y)
+
+        def project(x):
+            deficit = 1 - sum(x)
+            if deficit <= mpmath.mpf(10) ** (8 - mpmath.mp.dps) or A == 1:
+                return [v / sum(x) for v in x]
+            top = max(x)
+            if mode == "primal" and A > 1:  # q^b = v^b + c^b: bisection on the level c
+                b = A - 1
+                low, high = zero, one
+                for _ in range(steps):
+                    middle = (low + high) / 2
+                    if sum((v**b + middle**b) ** (1 / b) for v in x) > 1:
+                        high = middle
+                    else:
+                        low = middle
+                c = (low + high) / 2
+                q = [(v**b + c**b) ** (1 / b) for v in x]
+            elif mode == "primal":  # b < 0: bisection on the image t of the largest entry
+                low, high = top, one
+                for _ in range(steps):
+                    middle = (low + high) / 2
+                    if sum(primal_entry(v, middle, top) for v in x) > 1:
+                        high = middle
+                    else:
+                        low = middle
+                q = [primal_entry(v, (low + high) / 2, top) for v in x]
+            else:  # bisection on log nu: nu in [min(R/k, (R/k)^(a-1)), 1 - max x] (Thm A.1)
+                share = mpmath.log(deficit / len(x))
+                low, high = min(share, (A - 1) * share) - 1, mpmath.log(1 - top)
+                for _ in range(3 * steps):
+                    middle = (low + high) / 2
+                    if sum(dual_entry(v, mpmath.exp(middle)) for v in x) > 1:
+                        high = middle
+                    else:
+                        low = middle
+                q = [dual_entry(v, mpmath.exp((low + high) / 2)) for v in x]
+            return [v / sum(q) for v in q]
+
+        order = sorted(range(len(xs)), key=lambda i: -xs[i])
+        positive = [i for i in order if xs[i] > 0]
+        limit = min(len(positive), k_max) if k_max else len(positive)
+        # lambda = 0: every gap is positive (at least p_(k+1)^alpha / (alpha c)), so cost(k)
+        # decreases to the limit; comparing costs of 10^-(10^8) would only compare rounding.
+        sizes = [min(top_k, limit)] if top_k else [limit] if lam == 0 else range(1, limit + 1)
+        best = None
+        for k in sizes:
+            support = positive[:k]
+            x = [xs[i] for i in support]
+            q = project(x)
+            if mode == "primal":
+                div = sum(breg(qi, xi) for qi, xi in zip(q, x, strict=True)) + sum(
+                    breg(zero, xs[i]) if A > 0 else mpmath.inf
+                    for i in positive[k:])
+            else:
+                div = sum(breg(xi, qi) for qi, xi in zip(q, x, strict=True)) + sum(
+                    breg(xs[i], zero) for i in positive[k:])
+            value = div + mpmath.mpf(lam) * k
+            if best is None or value < best[0]:
+                best = (value, k, support, q)
+        _, k, support, q = best
+        out = [0.0] * len(p)
+        for i, v in zip(support, q, strict=True):
+            out[i] = float(v)
+        return k, out

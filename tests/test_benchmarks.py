@@ -52,3 +52,28 @@ def test_baseline_loader_imports_the_other_tree(tmp_path, monkeypatch):
     decode = bench_core.load_baseline("HEAD")
     assert decode is not bregman_decode
     assert decode.__module__ == bench_core.BASELINE_PACKAGE + ".core.decode"
+
+
+@pytest.mark.skipif(not _has_git_history(), reason="needs the git checkout (not a source copy)")
+def test_extreme_parameter_table_runs_and_every_case_decodes_to_a_distribution():
+    """`bench_core.py --only extremes` (issue 18): every end of every range is decoded to a
+    finite distribution (the table's ``finite`` column), the refused values are refused, and
+    the old core runs beside it."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_core.py", "--quick", "--only", "extremes",
+         "--baseline", "HEAD"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_core
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    lines = done.stdout.splitlines()
+    for name in bench_core.EXTREMES:
+        rows = [line for line in lines if line[:36].rstrip() == name]
+        assert len(rows) == 2, name  # realistic and flat rows
+        assert all(" yes " in row for row in rows), rows
+    for name in bench_core.REFUSED:
+        rows = [line for line in lines if line[:36].rstrip() == name]
+        assert len(rows) == 2 and all("refused (400)" in row for row in rows), rows

@@ -14,15 +14,11 @@ import random
 import pytest
 import torch
 
-from bregman_vllm import bregman_decode, renormalize
-from bregman_vllm.core.dual import dual_log_renorm, nested_log_renorm
-from bregman_vllm.core.exact import decode_exact, exact_plan
-from bregman_vllm.core.primal import (
-    newton_log_renorm,
-    primal_log_renorm,
-    support_mask,
-    three_halves_log_renorm,
-)
+from bregman_vllm import bregman_decode, bregman_decode_logits, renormalize
+from bregman_vllm.core.dual import nested_log_renorm
+from bregman_vllm.core.exact import decode_exact, exact_plan, renorm_rows
+from bregman_vllm.core.families import Family
+from bregman_vllm.core.primal import newton_log_renorm, support_mask, three_halves_log_renorm
 
 from . import reference as ref
 
@@ -120,7 +116,7 @@ def test_closed_forms_agree_with_root_finding():
     deficit = 1 - torch.where(mask, lp.exp(), 0.0).sum(-1)
     for alpha in (1.5, 2.0):
         a = torch.full((20,), alpha, dtype=F64)
-        closed = primal_log_renorm(lp, k, a, torch.log(deficit))
+        closed = renorm_rows("primal", lp, k, a, torch.log(deficit))
         newton = newton_log_renorm(lp, mask, a, torch.log(deficit), k)
         assert torch.allclose(closed.exp(), newton.exp(), atol=1e-14, rtol=0)
     three_halves = three_halves_log_renorm(lp, mask, torch.log(deficit), k)
@@ -163,8 +159,8 @@ def test_dual_map_kkt_residuals(alpha):
     k = torch.randint(1, 11, (50,), generator=g)
     mask = support_mask(k, 10)
     deficit = 1 - torch.where(mask, p, 0.0).sum(-1)
-    q = dual_log_renorm(torch.log(p), k, torch.full((50,), alpha, dtype=F64),
-                        torch.log(deficit)).exp()
+    q = renorm_rows("dual", torch.log(p), k, torch.full((50,), alpha, dtype=F64),
+                    torch.log(deficit)).exp()
     assert torch.allclose(q.sum(-1), torch.ones(50, dtype=F64), atol=1e-14)
     moved = torch.where(mask, q - p, -1.0).argmax(-1, keepdim=True)
     qj, pj = q.gather(1, moved), p.gather(1, moved)
@@ -186,7 +182,8 @@ def test_dual_closed_inner_solve_equals_nested_newton(alpha):
     mask = support_mask(k, 12)
     log_deficit = torch.log1p(-torch.where(mask, p, 0.0).sum(-1).clamp_max(1 - 1e-300))
     a = torch.full((40,), alpha, dtype=F64)
-    closed = nested_log_renorm(torch.log(p), mask, a, log_deficit, k, closed=alpha).exp()
+    family = Family.DUAL_THREE_HALVES if alpha == 1.5 else Family.DUAL_THREE
+    closed = nested_log_renorm(torch.log(p), mask, a, log_deficit, k, closed=family).exp()
     newton = nested_log_renorm(torch.log(p), mask, a, log_deficit, k).exp()
     assert not closed.isnan().any()
     assert (closed - newton).abs().max() < 1e-13
@@ -329,7 +326,7 @@ def test_exact_path_rows_that_wait_for_a_wider_round_keep_their_own_probabilitie
         plan = exact_plan("primal", torch.full((n,), 0.5, dtype=F64),
                           torch.tensor(lam, dtype=F64), torch.tensor(fixed),
                           torch.zeros(n, dtype=torch.long))
-        decode_exact(out, k, p[rows], plan, torch.exp)
+        decode_exact(out, k, p[rows], plan, logits=False)
         return out, k
 
     both, k_both = exact(slice(0, 2), [1e-9, 0.0], [0, 1000])
@@ -337,3 +334,133 @@ def test_exact_path_rows_that_wait_for_a_wider_round_keep_their_own_probabilitie
         alone, k_alone = exact(slice(row, row + 1), [lam], [fixed])
         assert int(k_both[row]) == int(k_alone[0])
         torch.testing.assert_close(both[row], alone[0], rtol=0, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- extreme parameters
+
+#: Every end of the parameter model's ranges (`bregman_vllm.params`): alpha next to 0, next to 1
+#: and at +-1e8, lambda from the smallest subnormal to the largest double, k_max / top_k 1 and
+#: 2^31 - 1. (mode, alpha, lambda, top_k, k_max).
+TINY, HUGE, BIGGEST = 5e-324, 1e8, 1.7976931348623157e308
+EXTREMES = [
+    *[("primal", a, lam, 0, 0) for a in (TINY, 1e-8, HUGE) for lam in (TINY, 1e-2, BIGGEST)],
+    *[("dual", a, lam, 0, 0) for a in (1 + 2**-52, 1 + 1e-9, HUGE)
+      for lam in (TINY, 1e-2, BIGGEST)],
+    ("dual", 1 + 1e-9, 1e9, 0, 0),  # k* < V next to alpha = 1
+    ("primal", HUGE, 1e-12, 0, 1), ("dual", HUGE, 0.0, 0, 2**31 - 1),
+    ("primal", 1.5, 0.0, 0, 2), ("dual", 1.5, TINY, 0, 1),
+    *[("primal", a, 0.0, top, 0) for a in (-HUGE, -TINY, TINY, HUGE, -math.inf, math.inf)
+      for top in (1, 3)],
+    ("primal", 1.5, 0.0, 2**31 - 1, 0),
+    *[("dual", a, 0.0, 3, 0) for a in (1.0, 1 + 2**-52, HUGE, math.inf)],
+]
+
+
+@pytest.mark.parametrize(("mode", "alpha", "lam", "top_k", "k_max"), EXTREMES,
+                         ids=[f"{m}-{a:g}-{lam:g}-top{t}-cap{c}" for m, a, lam, t, c in EXTREMES])
+def test_every_end_of_the_parameter_ranges_decodes_exactly(mode, alpha, lam, top_k, k_max):
+    """Each extreme valid value gives a finite distribution equal to the minimizer of problem
+    (2) / (3) computed with enough digits (`reference.precise_decode`, mpmath): the same support
+    size, and total variation at most `families.KEEP_ALL_TOLERANCE` (the lambda -> 0 limit's
+    bound) plus rounding."""
+    from bregman_vllm.core.families import KEEP_ALL_TOLERANCE
+
+    p = [0.45, 0.25, 0.15, 0.1, 0.04, 0.01]
+    out = bregman_decode(torch.tensor(p, dtype=F64), alpha=alpha, lam=lam, mode=mode,
+                         top_k=top_k or None, k_max=k_max or None)
+    q = out.probs.tolist()
+    assert all(math.isfinite(v) and v >= 0 for v in q)
+    if math.isinf(alpha):  # the limits themselves: Proposition 4.1's closed forms
+        x = p[:top_k]
+        rest = 1.0 - sum(x)
+        if alpha > 0:
+            want = [max(v, c) for v in x for c in [_water_level(x, rest)]]
+        else:
+            want = [x[0] + rest, *x[1:]]
+        k_ref, q_ref = top_k, want + [0.0] * (len(p) - top_k)
+    else:
+        k_ref, q_ref = ref.precise_decode(p, alpha, lam, mode, top_k=top_k, k_max=k_max)
+    assert int(out.k) == k_ref
+    distance = 0.5 * sum(abs(a - b) for a, b in zip(q, q_ref, strict=True))
+    assert distance <= KEEP_ALL_TOLERANCE + 1e-12, (q, q_ref)
+
+
+def _water_level(x: list[float], rest: float) -> float:
+    """c with sum_i max(x_i, c) = sum(x) + rest (water-filling, Proposition 4.1)."""
+    xs = sorted(x)
+    for j in range(len(xs)):  # the j smallest entries under water
+        c = (sum(xs[:j + 1]) + rest) / (j + 1)
+        if j + 1 == len(xs) or c <= xs[j + 1]:
+            return c
+    return 0.0
+
+
+@pytest.mark.parametrize(("mode", "alpha", "lam", "top_k", "k_max"),
+                         [case for case in EXTREMES if case[0] == "dual" or case[1] < 1e-3])
+def test_extreme_parameters_on_a_large_vocabulary_stay_cheap_and_finite(mode, alpha, lam,
+                                                                        top_k, k_max):
+    """The same extremes at [4, 16384] float32 logits (real-sized rows): finite, normalized,
+    equal to the float64 decode; rows whose lambda cannot drop a token within the tolerance
+    are the lambda -> 0 limit (`families.keeps_all`: every token kept, no search)."""
+    from bregman_vllm.core.families import Family, keeps_all
+    from bregman_vllm.core.plan import make_plan
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 16384, generator=g) * torch.tensor([[0.3], [3.0], [5.0], [7.0]])
+    kwargs = dict(alpha=alpha, lam=lam, mode=mode, top_k=top_k or None, k_max=k_max or None)
+    out, k = bregman_decode_logits(logits, return_k=True, **kwargs)
+    assert not out.isnan().any()
+    torch.testing.assert_close(torch.logsumexp(out.double(), -1), torch.zeros(4, dtype=F64),
+                               rtol=0, atol=1e-5)
+    want = bregman_decode(torch.softmax(logits.double(), -1), **kwargs)
+    assert torch.equal(k, want.k)
+    assert (out.double().exp() - want.probs).abs().max() <= 1e-5  # float32 logits
+    if not top_k and not k_max and keeps_all(mode, alpha, lam, 16384):
+        plan = make_plan(mode, alpha, lam, batch_shape=4, vocab=16384, device="cpu")
+        assert [group.family for group in plan.groups] == [Family.KEEP_ALL]
+
+
+def test_the_keep_all_limit_bound_holds_where_it_is_used():
+    """`families.keeps_all` decides from (mode, alpha, lambda, V) alone; where it says yes, the
+    exact answer drops at most the tolerance: checked against the exact path (no limit) on
+    rows with a long tail of tiny tokens."""
+    from bregman_vllm.core.families import KEEP_ALL_TOLERANCE, keeps_all
+
+    g = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(3, 3000, generator=g, dtype=F64) * 4, -1)
+    checked = 0
+    for mode, alpha, lam in (("dual", 1 + 1e-13, 1e-2), ("dual", 1 + 1e-15, 10.0),
+                             ("primal", 1e-3, 10.0), ("primal", 0.05, 1e-30),
+                             ("primal", 1.5, 1e-300), ("dual", 3.0, 1e-300)):
+        assert keeps_all(mode, alpha, lam, 3000)
+        out = torch.zeros_like(p)
+        k = torch.zeros(3, dtype=torch.long)
+        rows = torch.zeros(3, dtype=torch.long)
+        plan = exact_plan(mode, torch.full((3,), alpha, dtype=F64),
+                          torch.full((3,), lam, dtype=F64), rows, rows)
+        decode_exact(out, k, p, plan, logits=False)
+        distance = 0.5 * (out - p).abs().sum(-1)
+        assert (distance <= KEEP_ALL_TOLERANCE + 1e-12).all(), (mode, alpha, lam, distance)
+        checked += 1
+    assert not keeps_all("dual", 1 + 1e-6, 1e-2, 3000)
+    assert not keeps_all("primal", 1.5, 1e-9, 3000)
+    assert checked == 6
+
+
+@pytest.mark.parametrize("value", [1e308, -1e308, 1.0000001e8, -3e9])
+def test_alphas_beyond_the_limit_are_refused_everywhere_with_the_reason(value):
+    from bregman_vllm import BregmanParamError, BregmanParams
+
+    for mode in ("primal", "dual"):
+        for top_k in (None, 5):
+            allowed = mode == "primal" or value > 1
+            with pytest.raises(BregmanParamError, match="alpha") as error:
+                BregmanParams(mode=mode, alpha=value, top_k=top_k).validated()
+            if allowed and not (mode == "primal" and top_k is None and value < 0):
+                assert "above 1e8" in str(error.value)
+            with pytest.raises(BregmanParamError):
+                bregman_decode(torch.tensor([0.6, 0.4]), alpha=value, lam=0.1, mode=mode,
+                               top_k=top_k)
+    BregmanParams(alpha=1e8).validated()
+    BregmanParams(alpha=-1e8, top_k=5).validated()
+    BregmanParams(mode="dual", alpha=math.inf, top_k=5).validated()

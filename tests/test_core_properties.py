@@ -23,7 +23,7 @@ from bregman_vllm import (
     bregman_decode_logits,
     renormalize,
 )
-from bregman_vllm.core.candidates import top_entries
+from bregman_vllm.core.candidates import candidates
 
 F64 = torch.float64
 SETTINGS = settings(max_examples=60, deadline=None,
@@ -161,15 +161,25 @@ def test_generator_protocol_matches_the_alpha_family_and_accepts_user_generators
 
 
 def test_block_candidates_equal_a_full_sort():
+    """The candidates from block maxima and block masses (two reads, no probability tensor
+    for logits) are the top entries of a full sort, with the mass left outside them."""
     g = torch.Generator().manual_seed(10)
     for vocab in (1000, 4096, 4097, 50257):
-        p = torch.softmax(torch.randn(3, vocab, generator=g) * 4, -1)
-        values, index, rest = top_entries(p, 16)
+        logits = torch.randn(3, vocab, generator=g) * 4
+        p = torch.softmax(logits, -1)
         top = torch.topk(p, 16)
-        assert torch.equal(values, top.values)
-        assert torch.equal(torch.gather(p, 1, index), values)
-        expected = p.double().sum(-1) - top.values.double().sum(-1)
-        assert torch.allclose(rest, expected, rtol=1e-5, atol=0)
+        p64 = torch.softmax(logits.double(), -1)
+        expected = 1.0 - torch.gather(p64, 1, top.indices).sum(-1)
+        for scores, as_logits in ((p, False), (logits, True)):
+            cand = candidates(scores, 16, logits=as_logits)
+            assert torch.equal(cand.index, top.indices)
+            assert cand.valid.all()
+            want = torch.gather(p64 if as_logits else p.double() / p.double().sum(-1,
+                                keepdim=True), 1, top.indices)
+            torch.testing.assert_close(cand.x, want, rtol=1e-6, atol=0)
+            torch.testing.assert_close(cand.deficit[:, -1], expected, rtol=1e-5, atol=0)
+            torch.testing.assert_close(cand.x.sum(-1) + cand.deficit[:, -1],
+                                       torch.ones(3, dtype=F64), rtol=0, atol=4e-15)
 
 
 @pytest.mark.parametrize("mode", ["primal", "dual"])
@@ -238,19 +248,19 @@ def test_renormalize_api():
 
 
 @pytest.mark.parametrize(("kwargs", "field", "text"), [
-    ({"alpha": 0.0, "lam": 0.1}, "alpha", "(0, inf)"),
-    ({"alpha": -1.0, "lam": 0.1}, "alpha", "(0, inf)"),
-    ({"alpha": math.inf, "lam": 0.1}, "alpha", "(0, inf)"),
-    ({"alpha": math.nan, "lam": 0.1}, "alpha", "(0, inf)"),
-    ({"alpha": 1.0, "lam": 0.1, "mode": "dual"}, "alpha", "(1, inf)"),
-    ({"alpha": 0.9, "lam": 0.1, "mode": "dual", "top_k": 3}, "alpha", "[1, inf]"),
+    ({"alpha": 0.0, "lam": 0.1}, "alpha", "(0, 1e8]"),
+    ({"alpha": -1.0, "lam": 0.1}, "alpha", "(0, 1e8]"),
+    ({"alpha": math.inf, "lam": 0.1}, "alpha", "(0, 1e8]"),
+    ({"alpha": math.nan, "lam": 0.1}, "alpha", "(0, 1e8]"),
+    ({"alpha": 1.0, "lam": 0.1, "mode": "dual"}, "alpha", "(1, 1e8]"),
+    ({"alpha": 0.9, "lam": 0.1, "mode": "dual", "top_k": 3}, "alpha", "[1, 1e8], or inf"),
     ({"alpha": 0.0, "lam": 0.1, "top_k": 3}, "alpha", "excluding 0"),
     ({"alpha": 1.5, "lam": -0.1}, "lam", "[0, inf)"),
     ({"alpha": 1.5, "lam": math.inf}, "lam", "[0, inf)"),
     ({"alpha": 1.5, "lam": 0.1, "top_k": 0}, "top_k", ">= 1"),
     ({"alpha": 1.5, "lam": 0.1, "k_max": -2}, "k_max", ">= 1"),
     ({"alpha": 1.5, "lam": 0.1, "mode": "both"}, "mode", '"primal" | "dual"'),
-    ({"alpha": torch.tensor([1.5, 0.0]), "lam": 0.1}, "alpha", "(0, inf)"),
+    ({"alpha": torch.tensor([1.5, 0.0]), "lam": 0.1}, "alpha", "(0, 1e8]"),
     ({"alpha": torch.ones(3), "lam": 0.1}, "alpha", "broadcast"),
     ({"lam": 0.1}, "alpha", "required"),
 ])

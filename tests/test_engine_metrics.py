@@ -36,7 +36,7 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext
 from bregman_vllm import engine_metrics as em
 from bregman_vllm.adapter import BregmanLogitsProcessor, telemetry
 from bregman_vllm.core.plan import plan_requests
-from bregman_vllm.core.step import StepStats, decode_step
+from bregman_vllm.core.step import decode_step
 from bregman_vllm.diagnostics import MIXED_FAMILIES, DispatchCounter
 from bregman_vllm.params import BregmanParams
 
@@ -172,22 +172,20 @@ def test_steady_state_apply_has_no_more_syncs_with_the_metrics_than_without(inte
 
 
 def test_the_step_counts_uncertified_rows_at_its_own_sync():
+    """`StepResult.exact_rows` is read at the step's one sync: every flat row's k* is past the
+    window (all handed to the exact path); peaked rows need none, and that step syncs once."""
     logits = logits_for(flat_rows=tuple(range(BATCH)))
     plan = plan_requests([(row, BregmanParams.from_mapping(PAST_WINDOW))
                           for row in range(BATCH)], batch=BATCH, vocab=VOCAB, device="cpu")
-    decode_step(logits.clone(), plan, logits=True)
-    stats = StepStats()
-    with DispatchCounter() as with_stats:
-        decode_step(logits.clone(), plan, logits=True, stats=stats)
-    with DispatchCounter() as without:
-        decode_step(logits.clone(), plan, logits=True)
-    assert stats.uncertified_rows == BATCH  # every flat row's k* is past the window
-    assert with_stats.syncs == without.syncs
-    peaked = StepStats()
-    decode_step(logits_for(), plan_requests(
-        [(row, BregmanParams.from_mapping(PRIMAL)) for row in range(BATCH)], batch=BATCH,
-        vocab=VOCAB, device="cpu"), logits=True, stats=peaked)
-    assert peaked.uncertified_rows == 0
+    assert decode_step(logits.clone(), plan, logits=True).exact_rows == BATCH
+    peaked_plan = plan_requests([(row, BregmanParams.from_mapping(PRIMAL)) for row in range(BATCH)],
+                                batch=BATCH, vocab=VOCAB, device="cpu")
+    peaked_logits = logits_for()
+    decode_step(peaked_logits.clone(), peaked_plan, logits=True)  # warm the constant caches
+    with DispatchCounter() as counter:
+        peaked = decode_step(peaked_logits, peaked_plan, logits=True)
+    assert peaked.exact_rows == 0
+    assert counter.syncs <= 1, dict(counter.sync_ops)
 
 
 # ----------------------------------------------------------------------------- what is counted

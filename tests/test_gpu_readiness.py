@@ -66,7 +66,7 @@ def logits() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_one_call_at_most_one_sync_and_150_launches(logits, name):
+def test_one_call_at_most_one_sync_and_150_launches(logits, name, gpu_ops):
     kwargs = CONFIGS[name]
     bregman_decode_logits(logits, **kwargs)  # warm the constant caches
     with DispatchCounter() as counter:
@@ -75,6 +75,72 @@ def test_one_call_at_most_one_sync_and_150_launches(logits, name):
     assert counter.launches <= 150, counter.launch_ops.most_common(8)
     if "top_k" in kwargs or "k_max" in kwargs:  # every support fits the window: no sync
         assert counter.syncs == 0, dict(counter.sync_ops)
+
+
+@pytest.fixture
+def gpu_ops(monkeypatch):
+    """The ops a CUDA step runs (`candidates.SOFTMAX_NORMALIZER`, `write.READ_WRITE_FILL`
+    name the CPU's faster choices), counted here on the CPU."""
+    from bregman_vllm.core import candidates, write
+
+    monkeypatch.setattr(candidates, "SOFTMAX_NORMALIZER", {})
+    monkeypatch.setattr(write, "READ_WRITE_FILL", {})
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_one_step_is_three_passes_over_the_batch_and_no_intermediate(logits, name, gpu_ops):
+    """Passes over the [64, 32000] batch (`DispatchCounter(full=...)`: ops that read a whole
+    [n, V] tensor or write one; gathers and scatters of K entries per row not counted): the
+    step in place, as the processor runs it on CUDA, reads the logits twice (block maxima;
+    block log-sum-exps, which give the log-normalizer without a probability tensor) and writes
+    them once, and makes no [n, V] tensor. The public, out-of-place call makes its output, from
+    one more read of the logits (rows that are not distributions keep their values). (One op,
+    aten::logsumexp's eager kernel still makes exp(x - max) inside; compiled it is one fused
+    reduction.)"""
+    from bregman_vllm.core.plan import make_plan
+
+    kwargs = CONFIGS[name]
+    plan = make_plan(kwargs.get("mode", "primal"), kwargs["alpha"], kwargs["lam"],
+                     kwargs.get("top_k"), kwargs.get("k_max"), batch_shape=BATCH, vocab=VOCAB,
+                     device="cpu")
+    step_module.decode_step(logits.clone(), plan, logits=True, inplace=True)  # constants
+    scores = logits.clone()
+    with DispatchCounter(full=BATCH * VOCAB) as counter:
+        step_module.decode_step(scores, plan, logits=True, inplace=True)
+    assert counter.passes == 3, dict(counter.pass_ops)
+    assert {op for op, n in counter.pass_ops.items() if n} == {
+        "aten::amax (read)", "aten::logsumexp (read)", "aten::masked_fill_ (write)"}
+    assert counter.full_tensors == 0
+    with DispatchCounter(full=BATCH * VOCAB) as counter:
+        out = bregman_decode_logits(logits, **kwargs)
+    assert counter.passes == 4 and counter.full_tensors == 1, dict(counter.pass_ops)
+    assert torch.equal(out, scores)
+
+
+@pytest.mark.parametrize("name", ["primal a=1.5 lam=0.01", "primal a=3.0 lam=0.001",
+                                  "dual a=1.5 lam=1e-2", "top_k=50 a=1.5"])
+def test_the_cpu_ops_decode_the_same_with_more_passes(logits, name, monkeypatch):
+    """On a CPU the eager step normalizes with one softmax and fills with a vectorized clamp
+    (faster there, `candidates.SOFTMAX_NORMALIZER`, `write.READ_WRITE_FILL`): six passes and
+    one [n, V] temporary (the probabilities), and the same decoded batch as the CUDA ops."""
+    from bregman_vllm.core import candidates, write
+    from bregman_vllm.core.plan import make_plan
+
+    kwargs = CONFIGS[name]
+    plan = make_plan(kwargs.get("mode", "primal"), kwargs["alpha"], kwargs["lam"],
+                     kwargs.get("top_k"), kwargs.get("k_max"), batch_shape=BATCH, vocab=VOCAB,
+                     device="cpu")
+    step_module.decode_step(logits.clone(), plan, logits=True, inplace=True)
+    cpu = logits.clone()
+    with DispatchCounter(full=BATCH * VOCAB) as counter:
+        step_module.decode_step(cpu, plan, logits=True, inplace=True)
+    assert counter.passes == 6 and counter.full_tensors == 1, dict(counter.pass_ops)
+    monkeypatch.setattr(candidates, "SOFTMAX_NORMALIZER", {})
+    monkeypatch.setattr(write, "READ_WRITE_FILL", {})
+    gpu = logits.clone()
+    step_module.decode_step(gpu, plan, logits=True, inplace=True)
+    assert torch.equal(torch.isinf(cpu), torch.isinf(gpu))
+    torch.testing.assert_close(cpu.exp(), gpu.exp(), rtol=0, atol=1e-6)
 
 
 def _extreme_rows(vocab: int) -> dict[str, torch.Tensor]:
@@ -130,7 +196,7 @@ def test_fixed_iterations_are_certified_wherever_the_step_trusts_them(monkeypatc
                              **sizes)
             assert all(group.bounded for group in plan.groups)
             before = seen["uncertified"]
-            out, _ = step_module.decode_step(rows.clone(), plan, logits=True)
+            out = step_module.decode_step(rows.clone(), plan, logits=True).out
             assert seen["uncertified"] == before, (kind, mode, alpha, lam, sizes)
             assert not torch.isnan(out).any(), (kind, mode, alpha, lam, sizes)
     assert seen["rows"] >= 2 * 7 * 6 * 3 * 16 - 7 * 6 * 16  # every iterative group ran
@@ -144,15 +210,15 @@ def test_exact_path_for_rows_past_the_window_agrees_with_it():
     for mode, alpha, lam in (("primal", 1.5, 1e-7), ("primal", 3.0, 1e-9), ("dual", 1.5, 1e-7)):
         out, k = bregman_decode_logits(flat, alpha=alpha, lam=lam, mode=mode, return_k=True)
         assert (k > 64).all()
-        p = torch.softmax(flat, -1)
-        want = torch.full_like(flat, -math.inf)
+        p = torch.softmax(flat, -1)  # the exact path on the probabilities, the step on logits
+        want = torch.zeros_like(flat)
         k_want = torch.zeros(6, dtype=torch.long)
         rows = torch.full((6,), 0, dtype=torch.long)
         plan = exact_plan(mode, torch.full((6,), alpha, dtype=torch.float64),
                           torch.full((6,), lam, dtype=torch.float64), rows, rows)
-        decode_exact(want, k_want, p, plan, lambda log_q: log_q.to(flat.dtype))
+        decode_exact(want, k_want, p, plan, logits=False)
         assert torch.equal(k, k_want)
-        torch.testing.assert_close(out.exp(), want.exp(), rtol=0, atol=1e-7)
+        torch.testing.assert_close(out.exp(), want, rtol=0, atol=1e-7)
 
 
 def test_fixed_shape_step_agrees_with_the_exact_path_on_realistic_rows(logits):
@@ -168,7 +234,7 @@ def test_fixed_shape_step_agrees_with_the_exact_path_on_realistic_rows(logits):
         none = torch.zeros(16, dtype=torch.long)
         plan = exact_plan(mode, torch.full((16,), alpha, dtype=torch.float64),
                           torch.full((16,), lam, dtype=torch.float64), none, none)
-        decode_exact(want, k_want, p, plan, torch.exp)
+        decode_exact(want, k_want, p, plan, logits=False)
         assert torch.equal(k, k_want), (mode, alpha)
         torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
 
@@ -202,14 +268,16 @@ def v1_processor(configs: list[dict]) -> BregmanLogitsProcessor:
     return proc
 
 
-def v2_processor(configs: list[dict]) -> tuple[BregmanLogitsProcessor, LogitsContext]:
+def v2_processor(configs: list[dict], temperature: float = 0.8
+                 ) -> tuple[BregmanLogitsProcessor, LogitsContext]:
     """The V2 interface with vLLM's own LogitsContext; req_states is stood in by the three
     attributes the processor reads (Model Runner V2 itself needs CUDA)."""
     proc = BregmanLogitsProcessor(EngineConfig(), SimpleNamespace(
         device=torch.device("cpu"), vocab_size=VOCAB, max_num_reqs=BATCH))
     for slot in range(BATCH):
         config = configs[slot % len(configs)]
-        proc.add_request(slot, SamplingParams(temperature=0.8, extra_args=config or None))
+        proc.add_request(slot, SamplingParams(temperature=temperature,
+                                              extra_args=config or None))
     order = list(reversed(range(BATCH)))
     mapping = torch.tensor(order, dtype=torch.int32)
     ctx = LogitsContext(
@@ -223,7 +291,8 @@ def v2_processor(configs: list[dict]) -> tuple[BregmanLogitsProcessor, LogitsCon
 @pytest.mark.parametrize("interface", ["v1", "v2"])
 @pytest.mark.parametrize("configs", [MIXED[:1], MIXED[3:4], MIXED[4:5], MIXED_ALL],
                          ids=["kl", "alpha3", "dual", "mixed"])
-def test_steady_state_apply_plans_once_and_syncs_at_most_once(logits, interface, configs):
+def test_steady_state_apply_plans_once_and_syncs_at_most_once(logits, interface, configs,
+                                                              gpu_ops):
     if interface == "v1":
         proc = v1_processor(configs)
         call = lambda: proc.apply(logits.clone())  # noqa: E731
@@ -248,6 +317,49 @@ def test_steady_state_apply_plans_once_and_syncs_at_most_once(logits, interface,
         assert counter.launches <= 500, counter.launch_ops.most_common(8)
 
 
+@pytest.mark.parametrize("interface", ["v1", "v2", "v2 at T = 1"])
+@pytest.mark.parametrize("configs", [MIXED[:1], MIXED[3:4], MIXED[4:5], MIXED[5:6]],
+                         ids=["kl", "alpha3", "dual", "top_k"])
+def test_steady_state_apply_is_three_passes_in_place(logits, interface, configs, gpu_ops):
+    """One steady-state `apply()` with every row Bregman-decoded writes into vLLM's logits in
+    place: three passes, no [n, V] tensor, on V1 and on Model Runner V2 (no gather, no
+    rescaling of the logits: the temperature enters the log-normalizer only). In eager mode a
+    temperature other than 1 costs the scaled logits inside that log-sum-exp: one more [n, V]
+    temporary, written and read (5 passes); compiled, the scaling is part of the reduction."""
+    if interface == "v1":
+        proc = v1_processor(configs)
+        call = lambda scores: proc.apply(scores)  # noqa: E731
+    else:
+        proc, ctx = v2_processor(configs, temperature=1.0 if "T = 1" in interface else 0.8)
+        call = lambda scores: proc.apply(scores, ctx)  # noqa: E731
+    call(logits.clone())
+    scores = logits.clone()
+    with DispatchCounter(full=BATCH * VOCAB) as counter:
+        out = call(scores)
+    assert out is scores
+    if interface == "v2":
+        assert counter.passes == 5 and counter.full_tensors == 1, dict(counter.pass_ops)
+        assert counter.pass_ops["aten::mul (write)"] == 1
+    else:
+        assert counter.passes == 3 and counter.full_tensors == 0, dict(counter.pass_ops)
+
+
+def test_a_partial_batch_adds_only_the_gather_of_its_rows(logits, gpu_ops):
+    """Half the rows Bregman-decoded (V1): the plain rows are never read; the decoded rows
+    are gathered (one read, one write of those rows), decoded with the same three passes over
+    the copy, and copied back (one read, one write)."""
+    proc = v1_processor([MIXED[1], {}])
+    proc.apply(logits.clone())
+    scores = logits.clone()
+    half = (BATCH // 2) * VOCAB
+    with DispatchCounter(full=half) as counter:
+        proc.apply(scores)
+    assert counter.passes == 3 + 4, dict(counter.pass_ops)
+    assert counter.pass_ops["aten::index_select (read)"] == 1
+    assert counter.pass_ops["aten::index_copy_ (write)"] == 1
+    assert torch.equal(scores[1::2], logits[1::2])  # plain rows untouched
+
+
 @pytest.mark.parametrize("as_logits", [True, False], ids=["logits", "probabilities"])
 def test_joint_pass_equals_each_family_decoded_alone(logits, as_logits):
     """A batch mixing every configuration (and plain rows, and rows that are not
@@ -269,13 +381,13 @@ def test_joint_pass_equals_each_family_decoded_alone(logits, as_logits):
     plan = plan_requests(requests, batch=BATCH, vocab=VOCAB, device="cpu")
     # Five window groups of width 64 share a pass; KL at lambda 1e-3 has a window of 256.
     assert [len(joint.groups) for joint in plan.joints] == [5]
-    together, k_together = step_module.decode_step(scores.clone(), plan, logits=as_logits)
+    together, k_together, _ = step_module.decode_step(scores.clone(), plan, logits=as_logits)
     alone = scores.clone()
     k_alone = torch.zeros(BATCH, dtype=torch.long)
     for group in plan.groups:
         single = Plan((group,), plan.batch, plan.vocab)
         assert not single.joints
-        out, k = step_module.decode_step(scores.clone(), single, logits=as_logits)
+        out, k, _ = step_module.decode_step(scores.clone(), single, logits=as_logits)
         rows = group.rows_or_all(scores.device)
         alone[rows], k_alone[rows] = out[rows], k[rows]
     assert torch.equal(k_together, k_alone)
@@ -361,6 +473,29 @@ def test_one_bad_row_never_disables_the_others(monkeypatch):
     assert processor_module.telemetry is telemetry
 
 
+def test_a_failing_family_under_model_runner_v2_keeps_the_temperature(logits, monkeypatch):
+    """V2, temperature 0.8: when one family's decoder fails, the processor decodes the other
+    families group by group, each with its rows' temperature (T log q, as the whole step
+    writes it), and the failing rows keep their logits."""
+    proc, ctx = v2_processor(MIXED[:2])
+    want = proc.apply(logits.clone(), ctx)
+    real = step_module.closed_search
+
+    def broken(family, *args, **kwargs):
+        if family.value == "kl":
+            raise RuntimeError("simulated bug in the KL window")
+        return real(family, *args, **kwargs)
+
+    monkeypatch.setattr(step_module, "closed_search", broken)
+    monkeypatch.setattr(telemetry, "_last_warning", -math.inf)
+    out = proc.apply(logits.clone(), ctx)
+    order = list(reversed(range(BATCH)))  # the context's row -> slot order
+    kl = [row for row, slot in enumerate(order) if slot % 2 == 0]
+    other = [row for row, slot in enumerate(order) if slot % 2 == 1]
+    assert torch.equal(out[kl], logits[kl])
+    torch.testing.assert_close(out[other], want[other], rtol=0, atol=1e-6)
+
+
 def test_a_failing_exact_path_never_decodes_the_batch_twice(monkeypatch):
     """The fixed step writes a whole-batch group in place before the exact path redoes the
     uncertified rows. If the exact path fails, the batch already holds decoded rows: the
@@ -378,7 +513,7 @@ def test_a_failing_exact_path_never_decodes_the_batch_twice(monkeypatch):
     out = proc.apply(flat.clone())
     assert telemetry.failures_total() == before + BATCH
     # The fixed step's answer, once: a distribution on the window of each row.
-    window = proc.plan.groups[0].window
+    window = proc.plan.groups[0].width
     assert torch.isfinite(out).sum(-1).eq(window).all()
     torch.testing.assert_close(torch.logsumexp(out, -1), torch.zeros(BATCH), rtol=0, atol=1e-5)
     kept = torch.topk(flat, window, -1).indices
@@ -443,54 +578,113 @@ def test_processor_reserves_the_bound_until_its_first_step():
 # ----------------------------------------------------------------------------- compiled step
 
 
-def test_compiled_step_agrees_and_launches_far_fewer_kernels(monkeypatch):
-    """With BREGMAN_COMPILE=1 the fixed-shape step runs as torch.compile graphs (fullgraph: no
-    host sync inside by construction); a batch mixing six families is one joint graph. On the
-    mixed batch of the processor, in steady state, the launches are the eager glue around the
-    graph (counted by the dispatch counter) plus the kernels the graph launches (read off
-    inductor's generated code): at most 150, and the result equals the eager step's. Compiling
-    takes about a minute on the 2-core CI machine."""
+@pytest.fixture
+def compiled(monkeypatch):
+    """BREGMAN_COMPILE=1 (torch.compile works on the CPU with fullgraph=True), restored after."""
+    monkeypatch.setenv("BREGMAN_COMPILE", "1")
+    step_module._compile_choice.cache_clear()
+    yield
+    step_module._compile_choice.cache_clear()
+
+
+def test_compile_defaults_to_cuda_only(monkeypatch):
+    monkeypatch.delenv("BREGMAN_COMPILE", raising=False)
+    step_module._compile_choice.cache_clear()
+    assert step_module.compile_enabled(torch.device("cuda")) is True
+    assert step_module.compile_enabled(torch.device("cpu")) is False
+    step_module._compile_choice.cache_clear()
+
+
+def test_compiled_passes_agree_and_the_mixed_batch_launches_few_kernels(compiled, monkeypatch):
+    """Compiled, a window pass is one graph per window class that decodes every family
+    (`step.universal_pass`), compiled by `step.warm_up` (the V2 processor's constructor calls
+    it; the V1 one here has no vocabulary size in its stand-in config), and one joint pass
+    takes every window group. On the processor's mixed batch, in steady state, the launches
+    are the eager glue around the graph (counted by the dispatch counter) plus the kernels the
+    graph launches (read off inductor's generated code at warm-up): at most 40, and the result
+    equals the eager step's."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from bregman_vllm.diagnostics import compiled_launches
-
     logits = realistic_logits()
+    monkeypatch.setenv("BREGMAN_COMPILE", "0")
+    step_module._compile_choice.cache_clear()
     eager = v1_processor(MIXED_ALL).apply(logits.clone())
     eager_v2_proc, ctx = v2_processor(MIXED_ALL)
     eager_v2 = eager_v2_proc.apply(logits.clone(), ctx)
-
     monkeypatch.setenv("BREGMAN_COMPILE", "1")
-    graph_launches: dict[object, int] = {}  # kernels per call of each graph
-    used: set[object] = set()  # the graphs one apply() ran
-    real = step_module.compiled_group
+    step_module._compile_choice.cache_clear()
 
-    def counted(static):
-        graph = real(static)
-
-        def run(*args):
-            used.add(static)
-            if static not in graph_launches:  # compiles it now, and reads the generated code
-                result, graph_launches[static] = compiled_launches(graph, *args)
-                assert graph_launches[static] > 0
-                return result
-            with _disable_current_modes():  # the graph's own kernels are counted above
-                return graph(*args)
-
-        return run
-
-    monkeypatch.setattr(step_module, "compiled_group", counted)
+    assert step_module.warm_up("cpu", VOCAB)
+    used: list[tuple] = []
+    for key, graph in list(step_module._GRAPHS.items()):
+        def run(*args, _graph=graph, _key=key):
+            used.append(_key)
+            with _disable_current_modes():  # the graph's own kernels are counted at warm-up
+                return _graph(*args)
+        monkeypatch.setitem(step_module._GRAPHS, key, run)
     v1 = v1_processor(MIXED_ALL)
     v2, ctx = v2_processor(MIXED_ALL)
+    compiles = step_module.compile_count()
     for proc, call, want in ((v1, lambda: v1.apply(logits.clone()), eager),
                              (v2, lambda: v2.apply(logits.clone(), ctx), eager_v2)):
-        call()  # compiles the joint graph once (the V2 batch reuses it)
+        call()
         used.clear()
         with DispatchCounter() as counter:
             out = call()
         assert counter.syncs <= 1, (proc.interface, dict(counter.sync_ops))
-        total = counter.launches + sum(graph_launches[static] for static in used)
-        # Six families, two graphs: the five of width 64 in one, KL at width 256.
-        assert sorted(len(getattr(s, "statics", [s])) for s in used) == [1, 5], proc.interface
-        assert total <= 150, (proc.interface, counter.launches, graph_launches)
+        # Six families, one pass (compiled, a joint takes every window group): one graph.
+        assert [key[3] for key in used] == [256], proc.interface
+        total = counter.launches + sum(step_module._KERNELS[key] for key in used)
+        assert total <= 40, (proc.interface, counter.launch_ops, step_module._KERNELS)
         assert torch.equal(torch.isinf(out), torch.isinf(want)), proc.interface
         torch.testing.assert_close(out.exp(), want.exp(), rtol=0, atol=1e-6)
+    assert step_module.compile_count() == compiles  # nothing compiled inside a step
+
+
+def test_no_batch_size_recompiles_after_the_warm_up(compiled, monkeypatch):
+    """After `warm_up` (batch sizes 1 and 2, the batch dimension dynamic), steps over batches
+    of 1 to 256 rows mixing every family compile nothing, and every window pass runs the
+    compiled graph (a recompilation would raise under ``fail_on_recompile`` and run eagerly
+    with a warning)."""
+    from bregman_vllm.adapter.processor import request_params
+    from bregman_vllm.core.plan import plan_requests
+
+    assert step_module.warm_up("cpu", VOCAB)
+    before = step_module.compile_count()
+    calls = {"graph": 0, "passes": 0}
+    for key, graph in list(step_module._GRAPHS.items()):
+        def run(*args, _graph=graph):
+            calls["graph"] += 1
+            return _graph(*args)
+        monkeypatch.setitem(step_module._GRAPHS, key, run)
+    logits = realistic_logits(256, VOCAB, seed=7)
+    for batch in range(1, 257):
+        requests = [(row, request_params(MIXED_ALL[row % len(MIXED_ALL)]))
+                    for row in range(batch) if MIXED_ALL[row % len(MIXED_ALL)]]
+        plan = plan_requests(requests, batch=batch, vocab=VOCAB, device="cpu")
+        alone, joints = plan.passes(compiled=True)
+        calls["passes"] += sum(1 for owner in (*alone, *joints)
+                               if owner.width <= step_module.WIDE_WINDOW)
+        step_module.decode_step(logits[:batch].clone(), plan, logits=True, inplace=True)
+    assert step_module.compile_count() == before, "a batch size recompiled"
+    assert calls["graph"] == calls["passes"] >= 256
+    assert "recompile" not in step_module._WARNED
+
+
+def test_a_compile_failure_at_start_falls_back_to_eager_with_one_warning(compiled, monkeypatch,
+                                                                          caplog):
+    def broken(graph, example_inputs):
+        raise RuntimeError("no compiler for this device")
+
+    monkeypatch.setattr(step_module, "_GRAPHS", {})
+    monkeypatch.setattr(step_module, "_WARNED", set())
+    monkeypatch.setattr(step_module, "_backend", broken)
+    with caplog.at_level("WARNING", logger="bregman_vllm.core.step"):
+        assert step_module.warm_up("cpu", 512) is False
+        assert step_module.warm_up("cpu", 512, widths=(step_module.WINDOW,)) is False
+        logits = realistic_logits(4, 512)
+        out = bregman_decode_logits(logits, alpha=3.0, lam=1e-2)
+    assert len([r for r in caplog.records if "torch.compile" in r.getMessage()]) == 1
+    monkeypatch.setenv("BREGMAN_COMPILE", "0")
+    step_module._compile_choice.cache_clear()
+    assert torch.equal(out, bregman_decode_logits(logits, alpha=3.0, lam=1e-2))

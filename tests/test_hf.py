@@ -139,9 +139,9 @@ def test_half_precision_scores_and_masked_rows() -> None:
 
 @pytest.mark.parametrize(("kwargs", "field", "message"), [
     ({"alpha": 0.5, "lam": 0.01, "mode": "dual"}, "alpha",
-     "must be in (1, inf) for adaptive dual decoding, got 0.5"),
+     "must be in (1, 1e8] for adaptive dual decoding, got 0.5"),
     ({"alpha": "inf", "lam": 0.01}, "alpha",
-     "must be in (0, inf) for adaptive primal decoding, got inf"),
+     "must be in (0, 1e8] for adaptive primal decoding, got inf"),
     ({"alpha": 0.0, "lam": 0.0, "top_k": 3}, "alpha", "excluding 0"),
     ({"alpha": 1.5, "lam": -1.0}, "lam", "must be a finite number in [0, inf)"),
     ({"alpha": 1.5, "lam": math.inf}, "lam", "must be a finite number in [0, inf)"),

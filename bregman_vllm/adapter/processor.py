@@ -19,7 +19,8 @@ Two interfaces, one class (vLLM 0.32 loads processors from the same entry point 
 
 * **Model Runner V2** (`vllm/v1/worker/gpu/sample/sampler.py`; vLLM 0.32's default on CUDA):
   custom processors run after bias, penalties, bad words and grammar but *before* temperature,
-  min_p and top-k/top-p. The processor divides each row by its request's temperature itself and
+  min_p and top-k/top-p. The core decodes p = softmax(logits / T) with each row's temperature
+  folded into its log-normalizer (`core.plan.Plan.scale`; the logits are never rescaled) and
   writes T log q, so that the runner's own division by T yields log q: the distribution sampled
   from is the same as under V1, except that min_p then acts on q (under V1 it acts on p, before
   Bregman decoding).
@@ -28,7 +29,14 @@ State. The rows to decode and their parameters are a `plan` (`bregman_vllm.core.
 on the host only when the batch changes: under V1 when a `BatchUpdate` adds, removes or moves a
 Bregman request; under V2 when ``add_request`` ran or the step's row order (the host-side
 ``idx_mapping_np``) differs from the last one. Positions and per-row values reach the device by
-pinned, non-blocking copies. In steady state `apply()` only runs the core's step.
+pinned, non-blocking copies. In steady state `apply()` only runs the core's step
+(`_decode`, the one place it runs), in place on vLLM's logits: three passes over them when every
+row is Bregman-decoded, plus a gather of the decoded rows when only some are.
+
+Telemetry. After each `_decode`, ``last_step`` holds the step's `core.step.StepResult`: the
+support size k of every row (a device tensor, 0 for rows not decoded) and ``exact_rows``, the
+number of rows the fixed-shape step handed to the exact path (a host int read at the step's one
+sync; 0 when it did not sync), for metrics that must not add a sync.
 
 Robustness. Request values are validated at admission (`validate_params`, HTTP 400 with the
 parameter model's message); supports larger than the vocabulary are clamped to it. `apply()`
@@ -36,6 +44,10 @@ never raises: an exception inside a logits processor would fail every request on
 If the step fails, the processor decodes each group, then each row, on its own, so only the rows
 that fail keep their logits; those rows are counted (`telemetry`: the Prometheus counter
 ``bregman_processor_failures_total`` and a rate-limited warning with the running count).
+
+Compilation. With ``BREGMAN_COMPILE`` on (the default on CUDA), the step's window passes are
+compiled when the processor is built (`core.step.warm_up`: dummy rows, a dynamic batch
+dimension); a decoding step never compiles.
 
 Memory. On CUDA the processor reserves the step's worst-case extra memory
 (`core.step.step_memory_bound` for ``max_num_seqs`` rows) when it is built, which is before vLLM
@@ -63,7 +75,7 @@ except ImportError:  # pragma: no cover - older vLLM
     RunnerV2LogitsProcessor = ABC
 
 from ..core.plan import Plan, plan_requests
-from ..core.step import StepStats, decode_step, step_memory_bound
+from ..core.step import StepResult, compile_enabled, decode_step, step_memory_bound, warm_up
 from ..params import BregmanParamError, BregmanParams
 from . import telemetry
 
@@ -153,9 +165,13 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         self.plan: Plan | None = None
         self._stale = True
         self._layout: tuple[int, ...] | None = None  # V2: the row -> slot order of `plan`
-        self._rows: torch.Tensor | None = None  # V2: positions of the decoded rows
-        self._temperature: torch.Tensor | None = None  # V2: their temperatures, [n, 1]
+        #: The last step's result (see the module docstring); None before the first one.
+        self.last_step: StepResult | None = None
         self._reserve = self._reserve_memory(max_rows, vocab) if self.enabled else None
+        if self.enabled and vocab and compile_enabled(self.device):
+            # Every compiled pass now, before vLLM profiles memory and serves: a step never
+            # compiles (and runs eagerly if compilation failed).
+            warm_up(self.device, vocab)
 
     def _reserve_memory(self, rows: int | None, vocab: int | None) -> torch.Tensor | None:
         """Hold the step's worst case until the first apply() (see the module docstring)."""
@@ -242,13 +258,7 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         layout = self._row_slots(logits, ctx)
         if self._stale or layout != self._layout:
             self._plan_slots(layout, logits)
-        if self.plan is None or self._rows is None:
-            return logits
-        assert self._temperature is not None
-        # Bregman-decode p = softmax(logits / T), then undo the runner's division by T.
-        rows = logits.index_select(0, self._rows).div_(self._temperature)
-        rows = self._decode(rows, self.plan).mul_(self._temperature)
-        return logits.index_copy_(0, self._rows, rows)
+        return self._decode(logits, self.plan)
 
     def _row_slots(self, logits: torch.Tensor, ctx: LogitsContext) -> tuple[int, ...]:
         mapping = ctx.idx_mapping_np
@@ -261,18 +271,13 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         positions = [i for i, slot in enumerate(layout) if slot in self.requests]
         self._layout, self._stale = layout, False
         if not positions:
-            self.plan, self._rows, self._temperature = None, None, None
+            self.plan = None
             return
-        self.plan = self._make_plan([(j, self.requests[layout[i]])
-                                     for j, i in enumerate(positions)],
-                                    len(positions), logits.shape[-1])
-        host_rows = torch.tensor(positions, dtype=torch.long)
-        temperatures = torch.tensor([self.temperatures[layout[i]] for i in positions],
-                                    dtype=logits.dtype).unsqueeze(-1)
-        if self.device.type == "cuda":
-            host_rows, temperatures = host_rows.pin_memory(), temperatures.pin_memory()
-        self._rows = host_rows.to(self.device, non_blocking=True)
-        self._temperature = temperatures.to(self.device, non_blocking=True)
+        # Plain rows keep temperature 1 here: they are not decoded.
+        temperatures = [self.temperatures.get(slot, 1.0) if slot in self.requests else 1.0
+                        for slot in layout]
+        self.plan = self._make_plan([(i, self.requests[layout[i]]) for i in positions],
+                                    len(layout), logits.shape[-1], temperatures)
 
     # ------------------------------------------------------------------ shared
 
@@ -285,31 +290,35 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
             return None
 
     def _make_plan(self, requests: list[tuple[int, BregmanParams]], batch: int,
-                   vocab: int) -> Plan | None:
+                   vocab: int, temperatures: list[float] | None = None) -> Plan | None:
         """The plan of these rows; a row whose parameters cannot be planned is left out (and
         counted) rather than taking the other rows down with it."""
+        def plan(rows: list[tuple[int, BregmanParams]]) -> Plan:
+            return plan_requests(rows, batch=batch, vocab=vocab, device=self.device,
+                                 temperatures=temperatures)
+
         try:
-            return plan_requests(requests, batch=batch, vocab=vocab, device=self.device)
+            return plan(requests)
         except Exception:
             good = []
             for row in requests:
                 try:
-                    plan_requests([row], batch=batch, vocab=vocab, device=self.device)
+                    plan([row])
                 except Exception as error:
                     telemetry.record_failure(1, self.interface, error)
                 else:
                     good.append(row)
-            return plan_requests(good, batch=batch, vocab=vocab, device=self.device) \
-                if good else None
+            return plan(good) if good else None
 
     def _decode(self, logits: torch.Tensor, plan: Plan | None) -> torch.Tensor:
-        """The core's step on ``logits`` (in place); on an exception, group by group, then row
-        by row, so that only the rows that fail keep their logits."""
+        """The core's step on ``logits`` (in place; ``last_step`` holds its result); on an
+        exception, group by group, then row by row, so that only the rows that fail keep their
+        logits."""
+        self.last_step = None
         if plan is None:
             return logits
-        stats = StepStats()
         try:
-            out, k = decode_step(logits, plan, logits=True, inplace=True, stats=stats)
+            step = decode_step(logits, plan, logits=True, inplace=True)
         except Exception as error:
             written = getattr(error, "bregman_uncertified_rows", None)
             if written is not None:  # the batch is decoded; some rows not certified
@@ -319,14 +328,15 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
                 telemetry.record_failure(1, self.interface, error)
                 return logits
         else:
-            self.recorder.record(plan, k, stats)  # k* and exact-path rows; never raises
-            return out
+            self.last_step = step
+            # k* and exact-path rows, outside the try: a telemetry bug never decodes twice.
+            self.recorder.record(plan, step.k, step.exact_rows)  # never raises
+            return logits
         for group in plan.groups:
-            single = Plan((group,), plan.batch, plan.vocab)
+            single = plan.with_groups((group,))
             try:
-                stats = StepStats()
-                _, k = decode_step(logits, single, logits=True, inplace=True, stats=stats)
-                self.recorder.record(single, k, stats)
+                step = decode_step(logits, single, logits=True, inplace=True)
+                self.recorder.record(single, step.k, step.exact_rows)
             except Exception:
                 self._decode_rows_alone(logits, group, plan)
         return logits
@@ -339,16 +349,16 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
             try:
                 single = plan_requests([(position, params)], batch=plan.batch,
                                        vocab=plan.vocab, device=self.device)
-                stats = StepStats()
-                _, k = decode_step(logits, single, logits=True, inplace=True, stats=stats)
-                self.recorder.record(single, k, stats)
+                single = plan.with_groups(single.groups)
+                step = decode_step(logits, single, logits=True, inplace=True)
+                self.recorder.record(single, step.k, step.exact_rows)
             except Exception as error:
                 telemetry.record_failure(1, self.interface, error)
 
     def _row_requests(self, plan: Plan) -> list[tuple[int, BregmanParams]]:
-        """(position in the decoded batch, params) of the rows of ``plan``."""
+        """(position in the batch, params) of the rows of ``plan``."""
         if not self.runner_v2:
             return sorted(self.requests.items())
         assert self._layout is not None
-        positions = [i for i, slot in enumerate(self._layout) if slot in self.requests]
-        return [(j, self.requests[self._layout[i]]) for j, i in enumerate(positions)]
+        return [(i, self.requests[slot]) for i, slot in enumerate(self._layout)
+                if slot in self.requests]

@@ -16,7 +16,8 @@ counted (`record_failure`), and a warning with the running count is logged at mo
 `WARNING_INTERVAL` seconds.
 
 **k* and the exact path, per step** (`StepRecorder.record`, called by the processor right after
-the core's step with the plan, the per-row k and the step's `StepStats`), with no host sync:
+the core's step with the plan, the per-row k and the step's exact-path row count), with no
+host sync:
 
 1. once per plan, on the host: each row's mode (0 for rows of plain requests) and the number
    of rows whose family is decoded by the exact path;
@@ -55,7 +56,6 @@ from ..core.families import Family
 
 if TYPE_CHECKING:
     from ..core.plan import Plan
-    from ..core.step import StepStats
 
 logger = logging.getLogger("bregman_vllm.adapter")
 
@@ -316,8 +316,9 @@ class StepRecorder:
             _engine().target(em.shared_directory(instance if isinstance(instance, str) else None))
         register(interface)
 
-    def record(self, plan: Plan, k: torch.Tensor, stats: StepStats) -> None:
-        """Count one step: ``k`` [plan.batch] from the core's step, ``stats`` its counts."""
+    def record(self, plan: Plan, k: torch.Tensor, exact_rows: int) -> None:
+        """Count one step: ``k`` [plan.batch] and ``exact_rows`` (the rows it handed to the
+        exact path, `core.step.StepResult`) from the core's step."""
         with _NeverRaise():
             if self._counts is None:
                 self._counts = _tensor_parallel_rank() == 0
@@ -335,8 +336,8 @@ class StepRecorder:
             with engine.lock:
                 if self._family_rows:
                     engine.add(em.exact_rows("family"), self._family_rows)
-                if stats.uncertified_rows:
-                    engine.add(em.exact_rows("uncertified"), stats.uncertified_rows)
+                if exact_rows:
+                    engine.add(em.exact_rows("uncertified"), exact_rows)
                 engine.queue(_Pending(host, self._modes, event))
 
     def _prepare(self, plan: Plan) -> None:

@@ -4,10 +4,13 @@ Modules, in pipeline order:
     plan        per-row parameters validated and grouped by formula family (on the host, once
                 per batch change)
     families    which formulas decode a row: the one place where special alphas are recognized
-    candidates  the top entries of each row and the deficits R_k, without sorting the vocabulary
+    candidates  the top entries of each row and the deficits R_k from the scores themselves
+                (block maxima, block masses: no sort, no probability tensor)
     window      the fixed-shape k* search over a window of support sizes, with a certificate
-    step        the decoding step (the hot path): fixed ops on fixed shapes, at most one sync
+    step        the decoding step (the hot path): three passes over the batch, fixed ops on
+                fixed shapes, at most one sync; compiled at start on CUDA
     exact       value-dependent rounds for the rows the window cannot certify
+    write       the one writer of decoded rows
     decode      the public functions
 The formulas they use:
     primal      T_alpha on a fixed support (eq. (4), Definition 4.1, Proposition 4.1)

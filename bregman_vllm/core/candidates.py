@@ -1,11 +1,19 @@
 """Candidates: the W largest entries of each row, sorted, and the mass of everything else.
 
 By the greedy property (Theorems 3.1 and 3.2 of arXiv 2505.19371) the decoded support is a set of
-top entries, so decoding only ever looks at the largest entries of a row. They are found without
-sorting the vocabulary: the row is cut into blocks of `BLOCK` entries, the W blocks with the
-largest maxima hold the W largest entries, and a top-k over those W * BLOCK entries finds them.
-The mass outside the candidates is summed from positive terms (the other blocks' sums and the
-unchosen entries of the chosen blocks), so the deficit 1 - S_k never cancels.
+top entries, so decoding only ever looks at the largest entries of a row. They are found from
+the scores themselves (logits, or probabilities), in two reads of the batch and no [n, V]
+intermediate:
+
+1. the maxima of blocks of `BLOCK` entries (one read): the W blocks with the largest maxima hold
+   the W largest entries, and a top-k over those W * BLOCK entries finds them;
+2. the mass of each block (one read): its log-sum-exp for logits (the row's log-normalizer is
+   their log-sum-exp, so no probability tensor is made), its sum for probabilities.
+
+The mass outside the candidates is a sum of positive terms (the other blocks' masses and the
+unchosen entries of the chosen blocks), so the deficit 1 - S_k never cancels. A per-row
+``scale`` (the inverse temperature of vLLM's Model Runner V2) multiplies the logits inside the
+normalizer only: the order of a row's entries does not depend on it.
 
 Every function here runs a fixed sequence of ops on fixed shapes (the shapes depend only on the
 input's shape and the requested width): no host syncs.
@@ -13,6 +21,7 @@ input's shape and the requested width): no host syncs.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -34,54 +43,118 @@ class Candidates(NamedTuple):
     x: Tensor  # [n, W] probabilities normalized by the row total; 0 past the row's support
     index: Tensor  # [n, W] their vocabulary positions
     deficit: Tensor  # [n, W] deficit[:, j] = R_(j+1) = 1 - S_(j+1), from positive terms
-    total: Tensor  # [n] the row total (float64); not a distribution unless finite and > 0
+    valid: Tensor  # [n] bool: the row is a distribution (finite, positive mass)
     known: Tensor  # [n] number of positive entries if the candidates hold all of them, else
     #                UNBOUNDED
+    log_x: Tensor  # [n, W] log x, computed in log space for logits (-inf where x is 0)
 
 
-def top_entries(p: Tensor, width: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Values and positions of the ``width`` largest entries of each row of ``p`` ([n, V],
-    entries >= 0), sorted decreasingly, and the float64 sum of all other entries."""
-    n, vocab = p.shape
-    if width >= vocab:
-        values, index = torch.sort(p, dim=-1, descending=True)
-        return values, index, p.new_zeros(n, dtype=torch.float64)
-    if width * BLOCK * 4 > vocab:  # few blocks: a plain top-k is as cheap
-        values, index = torch.topk(p, width, dim=-1)
-        return values, index, p.scatter(1, index, 0.0).sum(-1, dtype=torch.float64)
+def _smallest(dtype: torch.dtype) -> float:
+    """The largest float64 below the smallest positive value of ``dtype`` (`threshold` keeps
+    what is above it)."""
+    info = torch.finfo(dtype)
+    return math.nextafter(info.tiny * info.eps, 0.0)
+
+
+def log_smallest(dtype: torch.dtype) -> float:
+    """log of the smallest positive value of a score dtype (its smallest subnormal): a logit
+    whose probability is below it is a zero of softmax in that dtype, and is no candidate."""
+    info = torch.finfo(dtype)
+    return math.log(info.tiny * info.eps)
+
+
+#: Device types whose eager step normalizes logits with one softmax (a probability tensor: two
+#: more passes) instead of block log-sum-exps. On a CPU, aten::logsumexp's eager kernel (the
+#: maximum, then exp(x - max) into a temporary, then its sum) takes 2 to 4 times a softmax;
+#: compiled, the log-sum-exp is one fused reduction and is used everywhere.
+SOFTMAX_NORMALIZER: dict[str, bool] = {"cpu": True}
+
+
+def _mass(blocks: Tensor, logits: bool, scale: Tensor | None) -> Tensor:
+    """Each block's mass over the last dimension, in the score dtype: log-sum-exp of (scaled)
+    logits, or the sum of probabilities (a float32 sum of 64 entries: relative error ~1e-7)."""
+    if not logits:
+        return blocks.sum(-1)
+    if scale is not None:
+        blocks = blocks * scale.view(-1, *([1] * (blocks.dim() - 1)))
+    return torch.logsumexp(blocks, -1)
+
+
+def _top(scores: Tensor, width: int, logits: bool, scale: Tensor | None
+         ) -> tuple[Tensor, Tensor, Tensor]:
+    """(values, index) of the ``width`` largest entries, sorted, and the mass of every other
+    entry (its log for logits), from positive terms."""
+    n, vocab = scores.shape
+    empty = -math.inf if logits else 0.0
+    if width >= vocab:  # the whole row: nothing left outside
+        values, index = torch.sort(scores, dim=-1, descending=True)
+        return values, index, torch.full((n,), empty, dtype=torch.float64,
+                                         device=scores.device)
+    if width * BLOCK >= vocab:  # few blocks: a plain top-k (small vocabularies only)
+        values, index = torch.topk(scores, width, dim=-1)
+        rest = _mass(scores.scatter(1, index, empty), logits, scale)
+        return values, index, rest if logits else rest.to(torch.float64)
     full = vocab // BLOCK
-    blocks = p[:, : full * BLOCK].view(n, full, BLOCK)
-    block_max = blocks.amax(-1)
-    block_sum = blocks.sum(-1)
-    if vocab % BLOCK:  # the ragged last block, padded below every probability
-        tail = torch.nn.functional.pad(p[:, full * BLOCK:], (0, BLOCK - vocab % BLOCK),
-                                       value=-1.0)
-        block_max = torch.cat([block_max, tail.amax(-1, keepdim=True)], 1)
-        block_sum = torch.cat([block_sum, tail.clamp_min(0.0).sum(-1, keepdim=True)], 1)
+    blocks = scores[:, : full * BLOCK].view(n, full, BLOCK)
+    block_max = blocks.amax(-1)  # read 1
+    block_mass = _mass(blocks, logits, scale)  # read 2
+    if vocab % BLOCK:  # the ragged last block, padded below every score
+        tail = scores[:, full * BLOCK:]
+        pad = torch.nn.functional.pad(tail, (0, BLOCK - vocab % BLOCK), value=-math.inf)
+        block_max = torch.cat([block_max, pad.amax(-1, keepdim=True)], 1)
+        block_mass = torch.cat([block_mass, _mass(tail, logits, scale).unsqueeze(-1)], 1)
     # The top-`width` entries lie in the `width` blocks with the largest maxima.
     chosen = torch.topk(block_max, width, dim=-1, sorted=False).indices
-    offsets = (chosen.unsqueeze(-1) * BLOCK + _arange(BLOCK, p.device)).flatten(1)
+    offsets = (chosen.unsqueeze(-1) * BLOCK + _arange(BLOCK, scores.device)).flatten(1)
     if vocab % BLOCK:
-        gathered = torch.gather(p, 1, offsets.clamp_max(vocab - 1))
-        gathered = torch.where(offsets < vocab, gathered, -1.0)
+        gathered = torch.gather(scores, 1, offsets.clamp_max(vocab - 1))
+        gathered = torch.where(offsets < vocab, gathered, -math.inf)
     else:
-        gathered = torch.gather(p, 1, offsets)
+        gathered = torch.gather(scores, 1, offsets)
     values, where_in = torch.topk(gathered, width, dim=-1)
     index = torch.gather(offsets, 1, where_in)
-    other_blocks = block_sum.scatter(1, chosen, 0.0).sum(-1, dtype=torch.float64)
-    if vocab % BLOCK:
-        gathered = gathered.clamp_min(0.0)  # drop the padding
-    other_gathered = gathered.scatter(1, where_in, 0.0).sum(-1, dtype=torch.float64)
-    return values, index, other_blocks + other_gathered
+    if logits:
+        others = torch.logaddexp(
+            torch.logsumexp(block_mass.scatter(1, chosen, -math.inf), -1),
+            _mass(gathered.scatter(1, where_in, -math.inf), True, scale))
+    else:
+        others = block_mass.scatter(1, chosen, 0.0).sum(-1) + \
+            gathered.clamp_min(0.0).scatter(1, where_in, 0.0).sum(-1, dtype=torch.float64)
+    return values, index, others
 
 
-def candidates(p: Tensor, width: int) -> Candidates:
-    """The ``width`` candidates of every row of ``p`` ([n, V], entries >= 0 or NaN)."""
-    values, index, rest = top_entries(p, width)
-    x = values.to(torch.float64).clamp_min(0.0)
-    total = x.sum(-1) + rest
-    x = x / total.unsqueeze(-1)
-    tail = rest / total
+def candidates(scores: Tensor, width: int, *, logits: bool = False,
+               scale: Tensor | None = None) -> Candidates:
+    """The ``width`` candidates of every row of ``scores`` ([n, V]): logits (``logits=True``;
+    probabilities softmax(scale * scores)) or probabilities (entries <= 0 count as zero; rows
+    are normalized by their sum). Rows that are not distributions (NaN, +inf, no mass) come out
+    with ``valid`` False. Logits on a device of `SOFTMAX_NORMALIZER`, eagerly: the probabilities
+    of one softmax, then as probabilities."""
+    if logits and SOFTMAX_NORMALIZER.get(scores.device.type) and \
+            not torch.compiler.is_compiling():
+        scaled = scores if scale is None else scores * scale.unsqueeze(-1)
+        return candidates(torch.softmax(scaled, -1), width)
+    values, index, others = _top(scores, width, logits, scale)
+    if logits:
+        scaled = values.to(torch.float64)
+        if scale is not None:
+            scaled = scaled * scale.to(torch.float64).unsqueeze(-1)
+        # The log-normalizer in float64 from the candidates and the mass of the others (summed
+        # in the score dtype), so that sum x + tail = 1 to float64 rounding.
+        total = torch.logaddexp(torch.logsumexp(scaled, -1), others)
+        log_x = scaled - total.unsqueeze(-1)
+        # A probability below the dtype's smallest positive value is a zero of softmax there
+        # (its log_x stays finite: every use of log_x past the positive entries is masked).
+        x = torch.nn.functional.threshold(torch.exp(log_x), _smallest(scores.dtype), 0.0)
+        tail = torch.exp(others - total)
+        valid = total.abs() < math.inf  # (NaN: not valid)
+    else:
+        x = values.to(torch.float64).clamp_min(0.0)
+        total = x.sum(-1) + others
+        x = x / total.unsqueeze(-1)
+        tail = others / total
+        log_x = torch.log(x)
+        valid = (total > 0) & (total < math.inf)
     # R_k = tail + sum_{i > k} x_i: a sum of positive terms (no cancellation near S_k = 1); for
     # the usual widths one product with a strictly lower-triangular matrix of ones.
     if x.shape[-1] <= _MATMUL_WIDTH:
@@ -92,8 +165,44 @@ def candidates(p: Tensor, width: int) -> Candidates:
     # The candidates hold every positive entry unless all are positive and mass lies outside.
     incomplete = (x[:, -1] > 0) & (tail > 0)
     known = (x > 0).sum(-1).masked_fill_(incomplete, UNBOUNDED)
-    return Candidates(x, index, deficit, total, known)
+    return Candidates(x, index, deficit, valid, known, log_x)
 
+
+def select(cand: Candidates, where: Tensor, width: int) -> Candidates:
+    """The candidates of the rows ``where``, cut to the first ``width`` (what `candidates`
+    gives for that width: the deficits do not depend on it, the count of known positive
+    entries does), for a family's formulas on its rows of a joint pass. ``index`` and ``valid``
+    stay the whole pass's: those formulas do not read them (the pass writes its rows once)."""
+    x = cand.x[:, :width].index_select(0, where)
+    deficit = cand.deficit[:, :width].index_select(0, where)
+    log_x = cand.log_x[:, :width].index_select(0, where)
+    if width == cand.x.shape[-1]:
+        known = cand.known.index_select(0, where)
+    else:
+        # Every positive entry is among the first ``width`` unless all are positive and mass
+        # (R_width) lies beyond them.
+        incomplete = (x[:, -1] > 0) & (deficit[:, -1] > 0)
+        known = (x > 0).sum(-1).masked_fill_(incomplete, UNBOUNDED)
+    return Candidates(x, cand.index, deficit, cand.valid, known, log_x)
+
+
+def cut(cand: Candidates, width: int) -> Candidates:
+    """The candidates of every row cut to the first ``width`` (`select` without the rows)."""
+    if width == cand.x.shape[-1]:
+        return cand
+    x, deficit = cand.x[:, :width], cand.deficit[:, :width]
+    incomplete = (x[:, -1] > 0) & (deficit[:, -1] > 0)
+    known = (x > 0).sum(-1).masked_fill_(incomplete, UNBOUNDED)
+    return Candidates(x, cand.index[:, :width], deficit, cand.valid, known,
+                      cand.log_x[:, :width])
+
+
+def take(cand: Candidates, rows: Tensor) -> Candidates:
+    """The candidates of ``rows`` (a host-synced index of the exact path); no copy when that is
+    every row."""
+    if rows.numel() == cand.x.shape[0]:
+        return cand
+    return Candidates(*(t[rows] for t in cand))
 
 
 _ARANGE: dict[tuple[int, torch.device, torch.dtype], Tensor] = {}

@@ -21,11 +21,11 @@ from typing import NamedTuple
 
 import torch
 
-from ..params import BregmanParamError, alpha_range, parse_mode
-from .exact import _log_renorm
+from ..params import BregmanParamError, check_alpha, parse_mode
+from .exact import renorm_rows
 from .generators import BregmanGenerator
 from .plan import Plan, make_plan
-from .step import decode_step
+from .step import compile_enabled, decode_step, warm_up
 
 Tensor = torch.Tensor
 
@@ -41,11 +41,15 @@ def _flatten(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _public_plan(scores: Tensor, alpha, lam, mode, k_max, top_k, generator=None) -> Plan:
+def _public_plan(scores: Tensor, alpha, lam, mode, k_max, top_k, generator=None, *,
+                 logits: bool) -> Plan:
     if scores.dim() == 0:
         raise BregmanParamError("probs", "must have at least one dimension (the vocabulary)")
-    return make_plan(mode, alpha, lam, top_k, k_max, batch_shape=scores.shape[:-1],
+    plan = make_plan(mode, alpha, lam, top_k, k_max, batch_shape=scores.shape[:-1],
                      vocab=scores.shape[-1], device=scores.device, generator=generator)
+    if compile_enabled(scores.device):  # compiled on the first call of a shape, not later
+        warm_up(scores.device, scores.shape[-1], dtype=scores.dtype, logits=logits)
+    return plan
 
 
 def bregman_decode(
@@ -87,8 +91,8 @@ def bregman_decode(
         >>> out.k.item(), [round(v, 4) for v in out.probs.tolist()]
         (3, [0.5167, 0.3167, 0.1667, 0.0])
     """
-    plan = _public_plan(probs, alpha, lam, mode, k_max, top_k, generator)
-    out, k = decode_step(_flatten(probs), plan, logits=False)
+    plan = _public_plan(probs, alpha, lam, mode, k_max, top_k, generator, logits=False)
+    out, k, _ = decode_step(_flatten(probs), plan, logits=False)
     return BregmanOutput(out.reshape(probs.shape), k.reshape(probs.shape[:-1]))
 
 
@@ -115,8 +119,8 @@ def bregman_decode_logits(
     """
     if logits.dim() == 0:
         raise BregmanParamError("logits", "must have at least one dimension (the vocabulary)")
-    plan = _public_plan(logits, alpha, lam, mode, k_max, top_k)
-    out, k = decode_step(_flatten(logits), plan, logits=True)
+    plan = _public_plan(logits, alpha, lam, mode, k_max, top_k, logits=True)
+    out, k, _ = decode_step(_flatten(logits), plan, logits=True)
     out = out.reshape(logits.shape)
     if return_k:
         return out, k.reshape(logits.shape[:-1])
@@ -150,24 +154,9 @@ def _row_values(value, name: str, batch_shape: torch.Size, device, dtype) -> Ten
 
 
 def _check_alpha_rows(alpha: Tensor, mode: str, fixed: Tensor, name: str) -> None:
-    """Apply the parameter model's alpha ranges to every row (vectorized)."""
-    for is_fixed in (False, True):
-        rows = fixed == is_fixed
-        if not bool(rows.any()):
-            continue
-        allowed = alpha_range(mode, is_fixed)
-        a = alpha[rows]
-        ok = ~torch.isnan(a)
-        ok &= (a >= allowed.low) if allowed.low_closed else (a > allowed.low)
-        ok &= (a <= allowed.high) if allowed.high_closed else (a < allowed.high)
-        if allowed.exclude_zero:
-            ok &= a != 0
-        if not bool(ok.all()):
-            bad = float(a[~ok][0])
-            selection = "fixed-k" if is_fixed else "adaptive"
-            raise BregmanParamError(
-                name, f"must be in {allowed.text()} for {selection} {mode} decoding, got {bad:g}; "
-                f"{allowed.why}")
+    """Apply the parameter model's alpha ranges to every row (the host values, once)."""
+    for value, is_fixed in zip(alpha.tolist(), fixed.tolist(), strict=True):
+        check_alpha(value, mode, fixed_k=is_fixed, field=name)
 
 
 def renormalize(x: Tensor, *, alpha, mode: str = "primal") -> Tensor:
@@ -196,7 +185,7 @@ def renormalize(x: Tensor, *, alpha, mode: str = "primal") -> Tensor:
     deficit = (1.0 - xs.sum(-1)).clamp_min(0.0)
     empty = xs[:, 0] <= 0
     with torch.no_grad():
-        log_q = _log_renorm(mode, torch.log(xs), k, alpha_rows, torch.log(deficit))
+        log_q = renorm_rows(mode, torch.log(xs), k, alpha_rows, torch.log(deficit))
     q = torch.exp(log_q)
     q = torch.where(empty.unsqueeze(-1), torch.full_like(q, 1.0 / width), q)
     out = torch.empty_like(q).scatter_(1, order, q)

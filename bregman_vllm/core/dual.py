@@ -27,15 +27,9 @@ import math
 
 import torch
 
-from .families import Family, dual_family_masks
+from .families import Family
 from .numerics import log1mexp, logsumexp_masked
-from .primal import (
-    _normalized,
-    kl_log_renorm,
-    square_log_renorm,
-    support_mask,
-    water_filling_log_renorm,
-)
+from .primal import _normalized
 from .roots import safeguarded_newton
 
 Tensor = torch.Tensor
@@ -76,35 +70,46 @@ def _inner_solve(beta: Tensor, target: Tensor, z: Tensor, low: Tensor, high: Ten
     return safeguarded_newton(equation, z, low, high)
 
 
-_LOG_4 = math.log(4.0)
 _LOG_2 = math.log(2.0)
 
 
-def _closed_inner_log_q(closed: float, lp: Tensor, finite: Tensor, s: Tensor) -> Tensor:
-    """log q_i as a function of s = log nu where the inner equation is quadratic (positive terms
-    only, so no cancellation):
+def quadratic_root(family: Family, p: Tensor, nu: Tensor,
+                   two_sqrt_p: Tensor | None = None) -> Tensor:
+    """The inner equation of eq. (5), q^(alpha-2) (q - p) = nu, where it is a quadratic; the
+    one place these closed forms are written (the window's fixed Newton steps and the exact
+    path's nested root finding both use it). Returns the root term R of
 
-    alpha = 3/2: q^(-1/2) (q - p) = nu  ->  sqrt(q) = (nu + sqrt(nu^2 + 4 p)) / 2;
-    alpha = 3:   q (q - p) = nu         ->  q = (p + sqrt(p^2 + 4 nu)) / 2.
-    Zero entries follow the same formulas (q = nu^2, resp. sqrt(nu)).
-    """
-    level = s.unsqueeze(-1)
-    lp_all = torch.where(finite, lp, -math.inf)
-    if closed == 1.5:
-        root = 0.5 * torch.logaddexp(2.0 * level, _LOG_4 + lp_all)
-        return 2.0 * (torch.logaddexp(level, root) - _LOG_2)
-    root = 0.5 * torch.logaddexp(2.0 * lp_all, _LOG_4 + level)
-    return torch.logaddexp(lp_all, root) - _LOG_2
+        alpha = 3/2 (``DUAL_THREE_HALVES``):  2 sqrt(q) = nu + R,  R = sqrt(nu^2 + 4 p);
+        alpha = 3   (``DUAL_THREE``):         2 q = p + R,         R = sqrt(p^2 + 4 nu),
+
+    as a `torch.hypot` (no overflow or underflow of the squares); both are sums of positive
+    terms (no cancellation). Zero entries follow the same formulas (q = nu^2, resp. sqrt(nu)).
+    ``two_sqrt_p``: 2 sqrt(p), when the caller has it."""
+    if family == Family.DUAL_THREE_HALVES:
+        return torch.hypot(nu, 2.0 * torch.sqrt(p) if two_sqrt_p is None else two_sqrt_p)
+    return torch.hypot(p, 2.0 * torch.sqrt(nu))
+
+
+def _closed_inner_log_q(family: Family, lp: Tensor, finite: Tensor, s: Tensor) -> Tensor:
+    """log q_i as a function of s = log nu where the inner equation is quadratic
+    (`quadratic_root`)."""
+    nu = torch.exp(s).unsqueeze(-1)
+    p = torch.where(finite, torch.exp(lp), 0.0)
+    root = quadratic_root(family, p, nu)
+    if family == Family.DUAL_THREE_HALVES:
+        return 2.0 * (torch.log(nu + root) - _LOG_2)
+    return torch.log(p + root) - _LOG_2
 
 
 def nested_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Tensor,
-                      k: Tensor, closed: float | None = None) -> Tensor:
+                      k: Tensor, closed: Family | None = None) -> Tensor:
     """Any finite alpha > 1: the nested root finding of Algorithm 1.
 
     Outer Newton on s = log nu for sum_i q_i(s) - 1, which is convex and increasing (y_i is convex
     in s and q_i = p_i e^(y_i)), started at the upper end of the bracket so that the iterates
     decrease monotonically; inner Newton for each y_i, warm-started from the previous outer step.
-    With ``closed`` = 3/2 or 3 (every row has that alpha) the inner solve is a formula.
+    With ``closed`` = ``DUAL_THREE_HALVES`` or ``DUAL_THREE`` (every row has that alpha) the
+    inner solve is a formula (`quadratic_root`).
     """
     dtype = log_p.dtype
     b = alpha.to(dtype) - 1.0
@@ -149,7 +154,11 @@ def nested_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
         rate = torch.where(finite, em1 / (beta * em1 + 1.0), 1.0 / beta)
         return q, rate, z_new
 
-    state = {"z": torch.zeros_like(log_p)}
+    # Inner start: the root at beta = 0, y = -log(1 - e^t) (the KL limit, an upper end of the
+    # root since beta y > 0), close to it when beta y is small (alpha next to 1, where the
+    # search probes the widest supports); the safeguarded Newton clamps it into its bracket.
+    first = (start.unsqueeze(-1) - beta * lp).clamp_max(-1e-300)
+    state = {"z": torch.log(-torch.log1p(-torch.exp(first)))}
 
     def outer(s_value: Tensor) -> tuple[Tensor, Tensor]:
         q, state["rate"], state["z"] = outputs(s_value, state["z"])
@@ -171,30 +180,3 @@ def nested_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
         y = torch.exp(_inner_solve(beta, target, z, *inner_bracket(target)))
         log_q = torch.where(finite, lp + y, s.unsqueeze(-1) / beta)
     return _normalized(log_q, mask)
-
-
-def dual_log_renorm(log_p: Tensor, k: Tensor, alpha: Tensor, log_deficit: Tensor) -> Tensor:
-    """T*_alpha on the top-k entries of each row, in log space (alpha >= 1, +inf allowed; the
-    exact path's map). Arguments as in `primal.primal_log_renorm`."""
-    shape = log_p.shape
-    lp = log_p.reshape(-1, shape[-1])
-    mk = support_mask(k, shape[-1]).reshape(-1, shape[-1])
-    ld = log_deficit.reshape(-1)
-    kk = k.reshape(-1)
-    a = alpha.to(log_p.dtype).reshape(-1)
-    out = torch.full_like(lp, -math.inf)
-    maps = {
-        Family.KL: lambda i: kl_log_renorm(lp[i], mk[i]),
-        Family.SQUARE: lambda i: square_log_renorm(lp[i], mk[i], ld[i], kk[i]),
-        Family.WATER: lambda i: water_filling_log_renorm(lp[i], mk[i], ld[i]),
-        Family.DUAL_THREE_HALVES: lambda i: nested_log_renorm(lp[i], mk[i], a[i], ld[i], kk[i],
-                                                              closed=1.5),
-        Family.DUAL_THREE: lambda i: nested_log_renorm(lp[i], mk[i], a[i], ld[i], kk[i],
-                                                       closed=3.0),
-        Family.EXACT: lambda i: nested_log_renorm(lp[i], mk[i], a[i], ld[i], kk[i]),
-    }
-    for family, rows in dual_family_masks(a, torch.isneginf(ld)):
-        index = rows.nonzero().squeeze(-1)
-        if index.numel():
-            out[index] = maps[family](index)
-    return out.reshape(shape)

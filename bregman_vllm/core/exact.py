@@ -7,8 +7,9 @@ the reference implementation the fixed step is tested against.
 
 Pipeline, per batch of rows (vectorized over rows; loops run over rounds and probes):
 
-1. Candidates: the W largest entries of each row (`candidates.top_entries`), with the mass of
-   everything else summed as positive terms.
+1. Candidates: the W largest entries of each row, read from the scores (logits or
+   probabilities) with the mass of everything else summed as positive terms: the same
+   `candidates.Candidates` as the fixed-shape step's.
 2. Support size. Fixed k: min(top_k, k_max, number of nonzero entries). Adaptive: the smallest k
    with G(k) <= lambda (`gaps`), in closed form over all k for (primal, 1), (primal, 3/2) and
    alpha = 2, otherwise by one window probe of `PROBE_WINDOW` sizes, then galloping and binary
@@ -17,7 +18,8 @@ Pipeline, per batch of rows (vectorized over rows; loops run over rounds and pro
    identity). Greedy property and k-convexity (Theorems 3.1, 3.2 and 3.3 of arXiv 2505.19371)
    make the first k with G(k) <= lambda the global minimizer. A row whose k* is not certified
    inside its W candidates goes to the next round with 8 W candidates (up to the whole row).
-3. log T_k* on the support, written into the output.
+3. log T_k* on the support, written into the output by the step's writer
+   (`write.write_support`).
 
 Memory: a round holds a few float64 [rows, W] arrays; rounds whose width would exceed
 `MEMORY_BUDGET` bytes run their rows in pieces, and finished rows are written out at once.
@@ -26,22 +28,31 @@ Memory: a round holds a few float64 [rows, W] arrays; rounds whose width would e
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from .candidates import top_entries
-from .dual import dual_log_renorm
-from .families import family_of, has_closed_gaps
-from .gaps import closed_form_gaps, dual_log_gap, primal_log_gap
+from .candidates import UNBOUNDED, Candidates, candidates, take
+from .dual import nested_log_renorm
+from .families import CLOSED_GAP_FAMILIES, Family, family_of
+from .gaps import dual_log_gap, primal_log_gap
 from .generators import (
     BregmanGenerator,
     generic_dual_renorm,
     generic_gap,
     generic_primal_renorm,
 )
-from .primal import primal_log_renorm, support_mask
+from .primal import (
+    argmax_fill_log_renorm,
+    kl_log_renorm,
+    newton_log_renorm,
+    square_log_renorm,
+    support_mask,
+    three_halves_log_renorm,
+    water_filling_log_renorm,
+)
+from .window import Decoded, closed_gaps
+from .write import output_values, write_support
 
 Tensor = torch.Tensor
 
@@ -55,7 +66,9 @@ _BYTES_PER_ENTRY = 320  # peak of a whole-row round, per entry (measured: 266 fo
 
 
 class ExactPlan(NamedTuple):
-    """Per-row parameters of the exact path (all [n] tensors; fixed_k / k_max: 0 = none)."""
+    """Per-row parameters of the exact path (all [n] tensors; fixed_k / k_max: 0 = none) and
+    the rows' formula family (one plan group: decided once, by the plan; None with a user
+    generator)."""
 
     mode: str
     alpha: Tensor
@@ -63,86 +76,141 @@ class ExactPlan(NamedTuple):
     fixed_k: Tensor
     k_max: Tensor
     generator: BregmanGenerator | None = None
-    alpha_values: tuple[float, ...] = ()  # distinct alphas (none: generator)
+    family: Family | None = None
 
 
 def exact_plan(mode: str, alpha: Tensor, lam: Tensor, fixed_k: Tensor, k_max: Tensor,
-               generator: BregmanGenerator | None = None) -> ExactPlan:
-    values = () if generator is not None else tuple(torch.unique(alpha).tolist())
-    return ExactPlan(mode, alpha, lam, fixed_k, k_max, generator, values)
+               generator: BregmanGenerator | None = None, family: Family | None = None
+               ) -> ExactPlan:
+    """The exact path's parameters. ``family``: the rows' family when the caller has it (a
+    plan group); else decided here, on the host, from the rows' one alpha (`family_of`),
+    or `Family.EXACT` (the general maps) for rows of several alphas."""
+    if family is None and generator is None:
+        values = set(alpha.tolist())
+        fixed = bool((fixed_k > 0).all())
+        family = family_of(mode, values.pop(), fixed) if len(values) == 1 else Family.EXACT
+        if family == Family.KEEP_ALL:  # (lambda = 0 is the exact path's to solve here)
+            family = Family.EXACT
+    return ExactPlan(mode, alpha, lam, fixed_k, k_max, generator, family)
 
 # ----------------------------------------------------------------------------- candidates
 
 
-class _Candidates(NamedTuple):
-    log_p: Tensor  # [n, W] float64, sorted decreasingly, normalized by the row total; -inf = 0
-    x: Tensor  # [n, W] float64 probabilities (normalized)
-    index: Tensor  # [n, W] vocabulary positions
-    deficit: Tensor  # [n, W + 1] float64: R_j = 1 - S_j for j = 0..W
-    positive: Tensor  # [n] number of positive entries among the candidates
-    complete: Tensor  # [n] bool: no positive entry outside the candidates
+def _log_deficit(cand: Candidates, k: Tensor) -> Tensor:
+    """log R_k for sizes k >= 1 (``[n, ...]`` like ``k``; `Candidates.deficit` holds R_1..R_W)."""
+    flat = k.reshape(k.shape[0], -1)
+    return torch.log(torch.gather(cand.deficit, 1, flat - 1)).reshape(k.shape)
 
 
-def _take(cand: _Candidates, rows: Tensor) -> _Candidates:
-    """The candidates of ``rows`` (sorted row numbers); no copy when that is every row, which is
-    the common case and saves copying [n, W] float64 tensors at every probe of the search."""
-    if rows.numel() == cand.x.shape[0]:
-        return cand
-    return _Candidates(*(t[rows] for t in cand))
-
-
-def _candidates(p: Tensor, width: int) -> tuple[_Candidates, Tensor]:
-    """The candidates of each row and the row total (float64) they were normalized by."""
-    values, index, rest = top_entries(p, width)
-    x = values.to(torch.float64).clamp_min(0.0)
-    total = torch.where(torch.isnan(values).any(-1), math.nan, x.sum(-1) + rest)
-    x = x / total.unsqueeze(-1)
-    tail = rest / total
-    suffix = torch.flip(torch.cumsum(torch.flip(x, [-1]), -1), [-1])
-    deficit = torch.cat([suffix, torch.zeros_like(tail).unsqueeze(-1)], -1) + tail.unsqueeze(-1)
-    positive = (x > 0).sum(-1)
-    complete = (positive < x.shape[-1]) | (tail <= 0)
-    return _Candidates(torch.log(x), x, index, deficit, positive, complete), total
+def _positive(cand: Candidates) -> tuple[Tensor, Tensor]:
+    """Number of positive candidates per row, and whether they are all the row's positive
+    entries."""
+    return (cand.x > 0).sum(-1), cand.known < UNBOUNDED
 
 
 # ----------------------------------------------------------------------------- renormalization
 
 
-def _log_renorm(mode: str, log_p: Tensor, k: Tensor, alpha: Tensor, log_deficit: Tensor,
-                generator: BregmanGenerator | None = None) -> Tensor:
+def _general(mode: str):
+    """The map of every other alpha: primal Newton (eq. (4)), or the dual's nested root
+    finding (Algorithm 1, eq. (5))."""
+    if mode == "primal":
+        return lambda lp, mk, a, ld, kk: newton_log_renorm(lp, mk, a, ld, kk)
+    return lambda lp, mk, a, ld, kk: nested_log_renorm(lp, mk, a, ld, kk)
+
+
+#: The map of each family on a fixed support (arguments: log p, support mask, alpha, log R, k).
+_MAPS = {
+    Family.KL: lambda lp, mk, a, ld, kk: kl_log_renorm(lp, mk),
+    Family.THREE_HALVES: lambda lp, mk, a, ld, kk: three_halves_log_renorm(lp, mk, ld, kk),
+    Family.SQUARE: lambda lp, mk, a, ld, kk: square_log_renorm(lp, mk, ld, kk),
+    Family.WATER: lambda lp, mk, a, ld, kk: water_filling_log_renorm(lp, mk, ld),
+    Family.ARGMAX: lambda lp, mk, a, ld, kk: argmax_fill_log_renorm(lp, mk, ld),
+    Family.POWER: lambda lp, mk, a, ld, kk: newton_log_renorm(lp, mk, a, ld, kk),
+    Family.DUAL_THREE_HALVES: lambda lp, mk, a, ld, kk: nested_log_renorm(
+        lp, mk, a, ld, kk, closed=Family.DUAL_THREE_HALVES),
+    Family.DUAL_THREE: lambda lp, mk, a, ld, kk: nested_log_renorm(
+        lp, mk, a, ld, kk, closed=Family.DUAL_THREE),
+}
+
+
+def log_renorm(family: Family | None, mode: str, log_p: Tensor, k: Tensor, alpha: Tensor,
+               log_deficit: Tensor, generator: BregmanGenerator | None = None) -> Tensor:
+    """T_alpha (eq. (4), primal) or T*_alpha (eq. (5), dual) on the top-k entries of each row,
+    in log space, with the rows' family's map (`families`: closed forms of Proposition 4.1 and
+    Appendix G.3, the quadratic dual maps, Newton or nested root finding for the others).
+
+    Args:
+        log_p: ``[..., K]`` log-probabilities sorted in decreasing order.
+        k: ``[...]`` support sizes, 1 <= k <= K.
+        alpha: ``[...]`` exponents.
+        log_deficit: ``[...]`` log(1 - S_k), the mass left outside the support (-inf if none:
+            every map is then the identity, the KL map q = p / S with S = 1).
+
+    Returns:
+        ``[..., K]`` log q, normalized, -inf at positions >= k.
+    """
     if generator is not None:
         mask = support_mask(k, log_p.shape[-1])
         renorm = generic_primal_renorm if mode == "primal" else generic_dual_renorm
         return torch.log(renorm(torch.exp(log_p), mask, generator))
-    if mode == "primal":
-        return primal_log_renorm(log_p, k, alpha, log_deficit)
-    return dual_log_renorm(log_p, k, alpha, log_deficit)
+    shape = log_p.shape
+    lp = log_p.reshape(-1, shape[-1])
+    mk = support_mask(k, shape[-1]).reshape(-1, shape[-1])
+    ld = log_deficit.reshape(-1)
+    kk = k.reshape(-1)
+    a = alpha.to(log_p.dtype).reshape(-1)
+    out = torch.full_like(lp, -math.inf)
+    none = torch.isneginf(ld)
+    identity = none.nonzero().squeeze(-1)
+    if identity.numel():
+        out[identity] = kl_log_renorm(lp[identity], mk[identity])
+    rest = (~none).nonzero().squeeze(-1)
+    if rest.numel():
+        apply = _MAPS.get(family) or _general(mode)
+        out[rest] = apply(lp[rest], mk[rest], a[rest], ld[rest], kk[rest])
+    return out.reshape(shape)
 
 
-def _renorm_at(mode: str, cand: _Candidates, k: Tensor, alpha: Tensor,
+def renorm_rows(mode: str, log_p: Tensor, k: Tensor, alpha: Tensor, log_deficit: Tensor
+                ) -> Tensor:
+    """`log_renorm` for rows of any alphas (``[n]``): each row with its alpha's family, decided
+    on the host (`families.family_of`, fixed support)."""
+    families: dict[Family, list[int]] = {}
+    for row, value in enumerate(alpha.reshape(-1).tolist()):
+        families.setdefault(family_of(mode, value, fixed=True), []).append(row)
+    out = torch.full_like(log_p, -math.inf)
+    for family, rows in families.items():
+        index = torch.tensor(rows, device=log_p.device)
+        out[index] = log_renorm(family, mode, log_p[index], k[index], alpha[index],
+                                log_deficit[index])
+    return out
+
+
+def _renorm_at(family: Family | None, mode: str, cand: Candidates, k: Tensor, alpha: Tensor,
                generator: BregmanGenerator | None = None) -> Tensor:
     """log T_k (per row, k >= 1) on the first max(k) candidate columns."""
     width = int(k.max())
-    log_deficit = torch.log(torch.gather(cand.deficit, 1, k.unsqueeze(-1)).squeeze(-1))
-    return _log_renorm(mode, cand.log_p[:, :width], k, alpha, log_deficit, generator)
+    return log_renorm(family, mode, cand.log_x[:, :width], k, alpha, _log_deficit(cand, k),
+                      generator)
 
 
 #: Support sizes the first probe of an adaptive search covers at once (most k* are small).
 PROBE_WINDOW = 16
 
 
-def _window_exceeds(mode: str, cand: _Candidates, start: Tensor, count: int, alpha: Tensor,
-                    lam: Tensor, generator: BregmanGenerator | None = None
-                    ) -> tuple[Tensor, Tensor]:
+def _window_exceeds(family: Family | None, mode: str, cand: Candidates, start: Tensor,
+                    count: int, alpha: Tensor, lam: Tensor,
+                    generator: BregmanGenerator | None = None) -> tuple[Tensor, Tensor]:
     """G(m) > lambda for m = start .. start + count - 1 per row ([n, count]), from the exact maps
     on the count + 1 consecutive supports (1 <= start, start + count <= candidates); also returns
     those maps (log T_m for m = start .. start + count, [n, count + 1, W])."""
     sizes = start.unsqueeze(-1) + torch.arange(count + 1, device=start.device)  # [n, count + 1]
     width = int(sizes.max())
-    log_p = cand.log_p[:, :width]
-    deficit = torch.gather(cand.deficit, 1, sizes)
-    maps = _log_renorm(mode, log_p.unsqueeze(1).expand(-1, count + 1, -1), sizes,
-                       alpha.unsqueeze(-1).expand(-1, count + 1), torch.log(deficit), generator)
+    log_p = cand.log_x[:, :width]
+    maps = log_renorm(family, mode, log_p.unsqueeze(1).expand(-1, count + 1, -1), sizes,
+                      alpha.unsqueeze(-1).expand(-1, count + 1), _log_deficit(cand, sizes),
+                      generator)
     log_q, log_q_next = maps[:, :-1], maps[:, 1:]
     m = sizes[:, :-1]
     a = alpha.unsqueeze(-1).expand(-1, count)
@@ -158,30 +226,33 @@ def _window_exceeds(mode: str, cand: _Candidates, start: Tensor, count: int, alp
     return log_gap > torch.log(lam).unsqueeze(-1), maps
 
 
-def _search(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, low: Tensor,
-            high: Tensor, generator: BregmanGenerator | None = None
-            ) -> tuple[Tensor, Tensor, Tensor]:
+def _search(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, lam: Tensor,
+            low: Tensor, high: Tensor, generator: BregmanGenerator | None = None,
+            raised: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Smallest k in [low, high] with G(k) <= lambda, where G(high) <= lambda is taken as given.
 
     Rows starting at low = 1: one window probe decides G(1 .. WINDOW) at once (k* is usually
     small), then galloping (m = low, low + 1, low + 3, ...) and bisection: O(log k*) probes. Rows
-    of a later candidate round (low > 1, high = 8 low) bisect [low, high]. All rows advance
-    together; each probe runs only on the rows still searching.
+    of a later candidate round (low > 1, high = 8 low) bisect [low, high]; where ``raised``
+    says low comes from the gap floor (`_floor_sizes`), the first probe is at low itself (the
+    floor is often k* exactly: next to alpha = 1 in dual mode, at tiny lambda), then bisection.
+    All rows advance together; each probe runs only on the rows still searching.
 
     Returns (k*, log T_k* for the rows the window resolved ([n, W]), which rows those are).
     """
     low, high = low.clone(), high.clone()
-    cache = torch.empty(low.shape[0], 0, dtype=cand.log_p.dtype, device=low.device)
+    raised = torch.zeros_like(low, dtype=torch.bool) if raised is None else raised
+    cache = torch.empty(low.shape[0], 0, dtype=cand.log_x.dtype, device=low.device)
     cached = torch.zeros_like(low, dtype=torch.bool)
-    first_round = low == 1  # later rounds know k* >= low: they bisect [low, high] directly
+    first_round = (low == 1) & ~raised  # later rounds know k* >= low: no window probe
     active = ((low < high) & first_round).nonzero().squeeze(-1)
     if active.numel():
         lo, hi = low[active], high[active]
         count = int(min(PROBE_WINDOW, int((hi - lo).max())))
-        sub = _take(cand, active)
+        sub = take(cand, active)
         start = torch.minimum(lo, hi - count).clamp_min(1)  # keep the window inside [1, hi]
-        exceeds, maps = _window_exceeds(mode, sub, start, count, alpha[active], lam[active],
-                                        generator)
+        exceeds, maps = _window_exceeds(family, mode, sub, start, count, alpha[active],
+                                        lam[active], generator)
         m = start.unsqueeze(-1) + torch.arange(count, device=lo.device)
         # Sizes below low are known to exceed; at or beyond high the search stops by definition.
         stop = (~exceeds | (m >= hi.unsqueeze(-1))) & (m >= lo.unsqueeze(-1))
@@ -198,6 +269,7 @@ def _search(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, low: Tenso
         cached[active] = resolved
     step = torch.ones_like(low)
     galloping = first_round.clone()
+    at_low = raised.clone()
     while True:
         active = (low < high).nonzero().squeeze(-1)
         if active.numel() == 0:
@@ -205,33 +277,76 @@ def _search(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, low: Tenso
         lo, hi = low[active], high[active]
         gal = galloping[active]
         m = torch.where(gal, torch.minimum(lo + step[active] - 1, hi - 1), (lo + hi) // 2)
-        sub = _take(cand, active)
-        exceeds = _window_exceeds(mode, sub, m, 1, alpha[active], lam[active], generator)[0][:, 0]
+        m = torch.where(at_low[active], lo, m)
+        at_low[active] = False
+        sub = take(cand, active)
+        exceeds = _window_exceeds(family, mode, sub, m, 1, alpha[active], lam[active],
+                                  generator)[0][:, 0]
         low[active] = torch.where(exceeds, m + 1, lo)
         high[active] = torch.where(exceeds, hi, m)
         step[active] = torch.where(exceeds & gal, step[active] * 2, step[active])
         galloping[active] = gal & exceeds
 
 
-def _support_sizes(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, fixed: Tensor,
-                   cap: Tensor, low: Tensor, generator: BregmanGenerator | None = None,
-                   alpha_values: tuple[float, ...] = ()) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Support size per row, whether it is certified with these candidates, and log T_k for the
-    rows whose map the search already computed (with a mask of those rows).
+def _floor_sizes(mode: str, cand: Candidates, alpha: Tensor, lam: Tensor) -> Tensor:
+    """A lower bound on k* per row, from a floor of every cost gap: G(k) > lambda, hence
+    k* > k, until the floor reaches lambda. Returns the first k in 1 .. W - 1 whose floor is at
+    most lambda, else W (k* >= W: the row needs a wider round, and no probe of this one).
+    Exact, not a heuristic: where k* is large (tiny lambda, primal alpha near 0, dual alpha
+    near 1) it starts the search next to k* and skips the probes of the rounds below it.
 
-    ``low`` is a known lower bound on k* (from earlier rounds); ``alpha_values`` the distinct
-    alphas of the plan, a superset of those of these rows.
+    The floor is the last term of G(k) (`gaps`; the others are >= 0) at a lower bound q_lo of
+    q' = T_(k+1)(p)_(k+1), with p = p_(k+1), R = R_(k+1), m = k + 1:
+
+    * primal, d(0, q') = q'^alpha / alpha; q' >= p (T adds mass, eq. (4)), and for alpha > 1
+      q'^b = p^b + c^b with c >= R/m (b >= 1) or (b R/m)^(1/b) (b < 1), the bracket of
+      `primal.newton_log_renorm`;
+    * dual, q'^(alpha-1) [(alpha-1)^2 (q' - p) + p] / (alpha (alpha-1)), increasing in q' >= p;
+      by eq. (5), q'^(alpha-2) (q' - p) = nu with nu >= (R/m)^(alpha-1) for alpha >= 2 (so
+      q' >= R/m) and nu >= R/m for alpha < 2 (so q' >= p + (R/m) p^(2-alpha)) (Theorem A.1).
     """
+    width = cand.log_x.shape[-1]
+    if width == 1:
+        return torch.ones(alpha.shape[0], dtype=torch.long, device=alpha.device)
+    a = alpha.unsqueeze(-1)
+    b = a - 1.0
+    log_p = cand.log_x[:, 1:]  # p_(k+1), k = 1 .. W-1
+    sizes = torch.arange(1, width, device=log_p.device)
+    log_share = torch.log(cand.deficit[:, 1:]) - torch.log1p(sizes.to(log_p.dtype))  # R/m
+    if mode == "primal":
+        level = torch.where(b >= 1.0, log_share, (torch.log(b.clamp_min(1e-300)) + log_share)
+                            / b.clamp_min(1e-300))
+        log_q = torch.where(b > 0, torch.maximum(log_p, level), log_p)
+        log_floor = a * log_q - torch.log(a)
+    else:
+        log_q = torch.where(a >= 2.0, torch.maximum(log_p, log_share),
+                            torch.logaddexp(log_p, log_share + (1.0 - b) * log_p))
+        moved = log_p + torch.log(torch.expm1((log_q - log_p).clamp_min(0.0)))  # q' - p
+        inner = torch.logaddexp(2.0 * torch.log(b) + moved, log_p)
+        log_floor = b * log_q + inner - torch.log(a * b)
+    below = ~(log_floor > torch.log(lam).unsqueeze(-1))  # (zero entries: NaN or -inf)
+    return torch.where(below, sizes, width).amin(-1)
+
+
+def _support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor) -> Decoded:
+    """The support search of a candidate round for the plan's rows ``rows``: the same result
+    as the fixed-shape step's (`window.Decoded`): the support size per row, log T_k where the
+    search already computed it (-inf rows otherwise, and for fixed sizes), and which rows are
+    not certified with these candidates (they need a wider round).
+
+    ``low`` is a known lower bound on k* per row (from earlier rounds). The gap formula is the
+    family's (closed forms over all sizes at once, or probes of the exact maps).
+    """
+    alpha, lam = plan.alpha[rows], plan.lam[rows]
+    fixed, cap = plan.fixed_k[rows], plan.k_max[rows]
     width = cand.x.shape[-1]
-    n_known = torch.where(cand.complete, cand.positive, torch.full_like(cand.positive, 10**18))
+    positive, complete = _positive(cand)
+    n_known = torch.where(complete, positive, torch.full_like(positive, 10**18))
     limit = torch.where(cap > 0, torch.minimum(cap, n_known), n_known).clamp_min(1)
-    k = torch.zeros_like(fixed)
-    done = torch.zeros_like(fixed, dtype=torch.bool)
     is_fixed = fixed > 0
-    fixed_k = torch.minimum(fixed, limit)
-    done |= is_fixed & (fixed_k <= width)
-    k = torch.where(is_fixed, fixed_k, k)
-    cache = torch.empty(k.shape[0], 0, dtype=cand.log_p.dtype, device=k.device)
+    k = torch.where(is_fixed, torch.minimum(fixed, limit), 0)
+    done = is_fixed & (k <= width)
+    cache = torch.empty(k.shape[0], 0, dtype=cand.log_x.dtype, device=k.device)
     cached = torch.zeros_like(done)
     adaptive = (~is_fixed).nonzero().squeeze(-1)
     if adaptive.numel():
@@ -239,53 +354,45 @@ def _support_sizes(mode: str, cand: _Candidates, alpha: Tensor, lam: Tensor, fix
         bounded = hi <= width  # the last size is a real boundary
         upper = torch.minimum(hi, torch.full_like(hi, width))
         lo = torch.minimum(low[adaptive], upper)
-        sub = _take(cand, adaptive)
+        sub = take(cand, adaptive)
         a, lm = alpha[adaptive], lam[adaptive]
-        found = torch.empty_like(lo)
-        if generator is not None or len(alpha_values) == 1:  # one divergence for every row
-            every = torch.arange(a.shape[0], device=a.device)
-            groups = [(alpha_values[0] if generator is None else math.nan, every)]
+        raised = torch.zeros_like(bounded)
+        closed = plan.family in CLOSED_GAP_FAMILIES  # every gap of the round at once
+        if plan.generator is None and not closed:
+            floor = torch.minimum(_floor_sizes(plan.mode, sub, a, lm), upper)
+            raised = floor > lo
+            lo = torch.maximum(lo, floor)
+        if closed:
+            gaps = closed_gaps(plan.family, sub.x, sub.deficit)
+            # Column j is k = j + 1; the last column (k = width) always stops.
+            gaps = torch.nn.functional.pad(gaps, (0, 1), value=-math.inf)
+            sizes = torch.arange(1, width + 1, device=gaps.device)
+            stop = (gaps <= lm.unsqueeze(-1)) | (sizes >= upper.unsqueeze(-1))
+            stop &= sizes >= lo.unsqueeze(-1)
+            found = torch.minimum(torch.where(stop, sizes, width).amin(-1), upper)
         else:
-            groups = [(value, (a == value).nonzero().squeeze(-1))
-                      for value in torch.unique(a).tolist()]
-        for value, rows in groups:
-            if generator is None and has_closed_gaps(mode, value):
-                grp = _take(sub, rows)
-                gaps = closed_form_gaps(family_of(mode, value, fixed=False), grp.x, grp.deficit)
-                # Column j is k = j + 1; the last column (k = width) always stops.
-                gaps = torch.nn.functional.pad(gaps, (0, 1), value=-math.inf)
-                sizes = torch.arange(1, width + 1, device=gaps.device)
-                stop = (gaps <= lm[rows].unsqueeze(-1)) | (sizes >= upper[rows].unsqueeze(-1))
-                stop &= sizes >= lo[rows].unsqueeze(-1)
-                first = torch.where(stop, sizes, width).amin(-1)
-                found[rows] = torch.minimum(first, upper[rows])
-            else:
-                grp = _take(sub, rows)
-                found[rows], maps, have = _search(mode, grp, a[rows], lm[rows], lo[rows],
-                                                  upper[rows], generator)
-                if maps.shape[-1] > cache.shape[-1]:
-                    cache = torch.nn.functional.pad(cache, (0, maps.shape[-1] - cache.shape[-1]),
-                                                    value=-math.inf)
-                target = adaptive[rows]
-                cache[target] = torch.nn.functional.pad(
-                    maps, (0, cache.shape[-1] - maps.shape[-1]), value=-math.inf)
-                cached[target] = have
+            found, maps, have = _search(plan.family, plan.mode, sub, a, lm, lo, upper,
+                                        plan.generator, raised)
+            cache = torch.full((k.shape[0], maps.shape[-1]), -math.inf, dtype=maps.dtype,
+                               device=maps.device)
+            cache[adaptive] = maps
+            cached[adaptive] = have
         k[adaptive] = found
         # Certified unless the search ran into the end of the candidate set without a boundary.
         done[adaptive] = (found < width) | bounded
-    return k, done, cache, cached
+    return Decoded(k, cache, ~done, computed=cached)
 
 
 # ----------------------------------------------------------------------------- driver
 
 
-def _final_maps(plan: ExactPlan, cand: _Candidates, k: Tensor, alpha: Tensor, cache: Tensor,
+def _final_maps(plan: ExactPlan, cand: Candidates, k: Tensor, alpha: Tensor, cache: Tensor,
                 cached: Tensor) -> Tensor:
     """log T_k for every row: from the search's cache where it has it, else renormalized now."""
     todo = (~cached).nonzero().squeeze(-1)
     if todo.numel() == 0:
         return cache[:, : int(k.max())]
-    fresh = _renorm_at(plan.mode, _take(cand, todo), k[todo], alpha[todo],
+    fresh = _renorm_at(plan.family, plan.mode, take(cand, todo), k[todo], alpha[todo],
                        plan.generator)
     if todo.numel() == k.shape[0]:
         return fresh
@@ -297,25 +404,28 @@ def _final_maps(plan: ExactPlan, cand: _Candidates, k: Tensor, alpha: Tensor, ca
 
 
 class _Sink(NamedTuple):
-    """Where finished rows go: ``out`` [N, V], ``k_out`` [N], ``to_values`` (log q to the
-    values written) and ``clear`` (None, or the value a row is reset to just before its support
-    is written, for rows that hold an earlier answer)."""
+    """Where finished rows go: ``out`` [N, V], ``k_out`` [N], ``done`` [N] (set for every
+    finished row), how log q becomes the written values (`write.output_values`: the scores'
+    dtype, logits scaled by the temperature) and ``clear`` (the value a row is reset to just
+    before its support is written)."""
 
     out: Tensor
     k_out: Tensor
-    to_values: Callable[[Tensor], Tensor]
-    clear: float | None
+    done: Tensor | None
+    logits: bool
+    temperature: Tensor | None
+    clear: float
 
 
-def _decode_rows(p: Tensor, plan: ExactPlan, sink: _Sink, pending: Tensor, low: Tensor
-                 ) -> None:
-    """Decode the rows ``pending`` of ``p`` ([N, V]) and write each round's supports into
+def _decode_rows(scores: Tensor, plan: ExactPlan, sink: _Sink, pending: Tensor, low: Tensor,
+                 scale: Tensor | None) -> None:
+    """Decode the rows ``pending`` of ``scores`` ([N, V]) and write each round's supports into
     ``out`` and ``k_out`` as soon as they are known; rows that are not distributions (no
     positive mass, NaN or inf) are left alone. ``low`` ([N]) holds known lower bounds on k*.
     A round runs its rows in pieces small enough for its width to stay within `MEMORY_BUDGET`
     (only the whole-row rounds of flat rows are split).
     """
-    vocab = p.shape[-1]
+    vocab = scores.shape[-1]
     width = min(max(INITIAL_CANDIDATES, 2), vocab)
     while pending.numel():
         if width < vocab:
@@ -327,97 +437,82 @@ def _decode_rows(p: Tensor, plan: ExactPlan, sink: _Sink, pending: Tensor, low: 
             now, later = pending, pending[:0]
         piece = max(1, MEMORY_BUDGET // max(1, width * _BYTES_PER_ENTRY))
         for start in range(0, now.numel(), piece):
-            again = _round(p, plan, now[start:start + piece], width, low, sink)
+            again = _round(scores, plan, now[start:start + piece], width, low, sink, scale)
             later = torch.cat([later, again])
-        # In order: a round over every row uses ``p`` itself (`_round`), which needs them so.
         pending = torch.sort(later).values
         width *= _GROWTH
         if width * _FULL_SORT_FRACTION >= vocab:  # a top-k that large costs about a full sort
             width = vocab
 
 
-def _round(p: Tensor, plan: ExactPlan, now: Tensor, width: int, low: Tensor, sink: _Sink
-           ) -> Tensor:
+def _round(scores: Tensor, plan: ExactPlan, now: Tensor, width: int, low: Tensor, sink: _Sink,
+           scale: Tensor | None) -> Tensor:
     """One candidate round for the rows ``now``; returns the rows that need a wider one."""
-    n, vocab = p.shape
-    rows_now = p if now.numel() == n else p[now]  # no copy in the common case
-    cand, total = _candidates(rows_now, width)
-    bad = ~torch.isfinite(total) | (total <= 0)
-    if bool(bad.any()):
-        good = (~bad).nonzero().squeeze(-1)
-        now, cand = now[good], _take(cand, good)
+    n, vocab = scores.shape
+    every = now.numel() == n
+    rows_now = scores if every else scores.index_select(0, now)  # no copy in the common case
+    rows_scale = None if scale is None else (scale if every else scale.index_select(0, now))
+    cand = candidates(rows_now, width, logits=sink.logits, scale=rows_scale)
+    del rows_now
+    if not bool(cand.valid.all()):
+        good = cand.valid.nonzero().squeeze(-1)
+        now, cand = now[good], take(cand, good)
     if now.numel() == 0:
         return now
-    k, done, cache, cached = _support_sizes(
-        plan.mode, cand, plan.alpha[now], plan.lam[now], plan.fixed_k[now],
-        plan.k_max[now], low[now], plan.generator, plan.alpha_values)
+    k, cache, uncertain, _, cached = _support_sizes(plan, cand, now, low[now])
+    done = ~uncertain
     if width >= vocab:
         done = torch.ones_like(done)
     fin = done.nonzero().squeeze(-1)
     if fin.numel() == now.numel():  # every row certified: no copies of the candidates
         log_q = _final_maps(plan, cand, k, plan.alpha[now], cache, cached)
-        _write(sink, now, cand.index[:, : log_q.shape[-1]], log_q, k)
+        _finish(sink, now, cand.index[:, : log_q.shape[-1]], log_q, k)
     elif fin.numel():
         rows = now[fin]
-        sub = _take(cand, fin)
+        sub = take(cand, fin)
         log_q = _final_maps(plan, sub, k[fin], plan.alpha[rows], cache[fin], cached[fin])
-        _write(sink, rows, sub.index[:, : log_q.shape[-1]], log_q, k[fin])
+        _finish(sink, rows, sub.index[:, : log_q.shape[-1]], log_q, k[fin])
     again = (~done).nonzero().squeeze(-1)
     low[now[again]] = width  # G(k) > lambda for every k < width
     return now[again]
 
 
-def _write(sink: _Sink, rows: Tensor, index: Tensor, log_q: Tensor, k: Tensor) -> None:
-    """Write the support values of ``rows`` into ``sink.out`` ([N, V]); other entries are left
-    as they are (after the optional reset of those rows)."""
-    out = sink.out
-    if sink.clear is not None:
-        out.index_fill_(0, rows, sink.clear)
-    # (row, column) pairs: ``out`` may be a strided view (the caller's scores, in place).
-    out.index_put_((rows.unsqueeze(-1).expand_as(index), index), sink.to_values(log_q))
+def _finish(sink: _Sink, rows: Tensor, index: Tensor, log_q: Tensor, k: Tensor) -> None:
+    """Write finished rows (`write.write_support`); a NaN is an error, never an output."""
+    if bool(torch.isnan(log_q).any()):
+        raise FloatingPointError(
+            f"the exact path produced NaN for {int(torch.isnan(log_q).any(-1).sum())} row(s)")
+    temperature = None if sink.temperature is None else sink.temperature[rows]
+    values = output_values(log_q, sink.logits, sink.out.dtype, temperature)
+    write_support(sink.out, index, values, sink.clear, rows=rows)
     sink.k_out[rows] = k
+    if sink.done is not None:
+        sink.done[rows] = True
 
 
-def _keep_all(p2: Tensor) -> tuple[Tensor, Tensor]:
-    """lambda = 0 without a cap: k* is the whole support, renormalized (cost(k) decreases in k).
-
-    One pass in the input dtype (the float32 sum is a cascade: relative error ~1e-7, and never
-    below the largest entry, so every quotient is in [0, 1]); rows that are not distributions
-    are returned unchanged with k = 0. k counts the nonzero entries of the output.
-    """
-    # Few full-size temporaries: each one costs a pass and, at [64, 128256], fresh pages.
-    normalized = p2.clamp_min(0)
-    total = normalized.sum(-1, keepdim=True)
-    usable = torch.isfinite(total) & (total > 0)
-    normalized.div_(torch.where(usable, total, 1.0))
-    # sign() sums exactly in float (counts < 2^24); bool reductions are 10x slower on CPU.
-    support = torch.where(usable.squeeze(-1), normalized.sign().sum(-1), 0.0).long()
-    if not bool(usable.all()):
-        normalized = torch.where(usable, normalized, p2)
-    return normalized, support
-
-
-
-
-def decode_exact(out: Tensor, k_out: Tensor, p: Tensor, plan: ExactPlan,
-                 to_values: Callable[[Tensor], Tensor], rows: Tensor | None = None,
-                 low: Tensor | None = None, clear: float | None = None) -> None:
-    """Decode the rows of ``p`` ([n, V] probabilities, entries >= 0) with the exact path and
-    write the supports into ``out`` ([n, V], pre-filled with the value off the support on the
-    decoded rows) and the sizes into ``k_out``; rows that are not distributions are left as
-    ``out`` has them.
+def decode_exact(out: Tensor, k_out: Tensor, scores: Tensor, plan: ExactPlan, *,
+                 logits: bool, scale: Tensor | None = None, rows: Tensor | None = None,
+                 low: Tensor | None = None, done: Tensor | None = None) -> None:
+    """Decode the rows of ``scores`` ([n, V] logits, or probabilities with entries >= 0) with
+    the exact path and write the supports into ``out`` ([n, V]: each finished row is reset to
+    -inf (logits) or 0 before its support is written; a row the path never finishes, when it
+    raises, keeps what it had) and the sizes into ``k_out``; rows that are not distributions
+    are left as ``out`` has them. ``out`` may be ``scores`` itself: a row is read before it is
+    written. ``scale`` ([n]): per-row inverse temperatures (logits; the values written are then
+    T log q, `write.output_values`). ``done`` ([n] bool): set for every row finished.
 
     ``rows`` (sorted positions, default every row) limits the work to those rows, and ``low``
     ([n]) gives known lower bounds on their k* (default 1): a row whose k* is known to be at
     least the first round's width starts with a wider round. ``plan`` holds the parameters of
-    all n rows. With ``clear``, ``out`` may hold an earlier answer on those rows: each row is
-    reset to ``clear`` just before its support is written (a row the path never finishes, when
-    it raises, keeps what it had).
+    all n rows.
 
     Memory: rounds over whole rows run in row pieces of at most `MEMORY_BUDGET` bytes, and
     every finished row is written out at once (no float64 [n, V] array is ever held).
     """
-    n = p.shape[0]
-    pending = torch.arange(n, device=p.device) if rows is None else rows
-    bounds = torch.ones(n, dtype=torch.long, device=p.device) if low is None else low.clone()
-    _decode_rows(p, plan, _Sink(out, k_out, to_values, clear), pending, bounds)
+    n = scores.shape[0]
+    pending = torch.arange(n, device=scores.device) if rows is None else rows
+    bounds = torch.ones(n, dtype=torch.long, device=scores.device) if low is None \
+        else low.clone()
+    temperature = None if scale is None else torch.reciprocal(scale)
+    sink = _Sink(out, k_out, done, logits, temperature, -math.inf if logits else 0.0)
+    _decode_rows(scores, plan, sink, pending, bounds, scale)

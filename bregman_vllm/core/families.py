@@ -1,9 +1,9 @@
 """Formula families: which formulas decode a row, decided once per plan from (mode, alpha, k).
 
-This module is the one place where special values of alpha are recognized. Every other module
-asks it (`family_of` for one row on the host, `primal_family_masks` / `dual_family_masks` for
-the per-row dispatch of the exact path, `has_closed_gaps` for the gap formulas), so a closed form
-is never picked by a float comparison written somewhere else.
+This module is the one place where special values of alpha are recognized: `family_of`, on the
+host, once per distinct parameter set (by the plan, `plan`). Every other module receives the
+family (the fixed-shape step, the exact path's maps and gaps), so a closed form is never picked
+by a float comparison written somewhere else.
 
 Paper: Noarov, Mallick, Wang et al., "Foundations of Top-k Decoding for Language Models",
 arXiv 2505.19371. The primal map is eq. (4) (Definition 4.1 for phi_alpha), the dual map eq. (5);
@@ -13,7 +13,8 @@ maps coincide at alpha in {1, 2, +inf} (Appendix G.3).
 =================  ====================================================================
 family             rows
 =================  ====================================================================
-``KEEP_ALL``       lambda = 0, no fixed k, no cap: k* is the whole support (cost(k) decreases)
+``KEEP_ALL``       no fixed k, no cap, and lambda = 0 or too small to drop 1e-9 of mass
+                   (`keeps_all`): k* is the whole support
 ``KL``             primal alpha = 1 (standard top-k renormalization, eq. (1)); dual alpha = 1
 ``THREE_HALVES``   primal alpha = 3/2 (Proposition 4.1)
 ``SQUARE``         alpha = 2, primal or dual (Proposition 4.1; the two maps coincide)
@@ -60,16 +61,51 @@ class Family(str, enum.Enum):
     EXACT = "exact"
 
 
+#: Total variation within which an adaptive row is decoded by its lambda -> 0 limit, every
+#: positive token kept (`keeps_all`).
+KEEP_ALL_TOLERANCE = 1e-9
+
+
+def log_gap_floor_scale(mode: str, alpha: float) -> float:
+    """log(alpha c) of the floor G(k) >= p_(k+1)^alpha / (alpha c) of every cost gap, with c = 1
+    (primal) or alpha - 1 (dual), for alpha > 0 (resp. > 1).
+
+    Primal: G(k) = D(T_k, T_(k+1)) >= d(0, q'_(k+1)) = q'^alpha / alpha (the Bregman
+    Pythagorean identity, eqs. (15)-(16); `gaps`), and q' >= p_(k+1) since T adds mass (eq. (4)).
+    Dual: the last term of G*(k) (`gaps`) is q'^(alpha-1) [(alpha-1)^2 (q' - p) + p] /
+    (alpha (alpha-1)) >= p^alpha / (alpha (alpha-1)), the other terms are >= 0 and q' >= p
+    (Theorem A.1)."""
+    scale = math.log(alpha)
+    if mode == "dual":
+        scale += math.log(alpha - 1.0)
+    return scale
+
+
+def keeps_all(mode: str, alpha: float, lam: float, vocab: int) -> bool:
+    """Whether adaptive decoding keeps every positive token of any row of ``vocab`` entries, to
+    within a total variation of `KEEP_ALL_TOLERANCE` (lambda = 0: exactly; Theorem 3.3).
+
+    With the floor of `log_gap_floor_scale`, a token past k* has p <= (lambda alpha c)^(1/alpha)
+    (G(k*) <= lambda), so the exact answer drops a mass R <= V (lambda alpha c)^(1/alpha) and
+    differs from p itself (every token kept, nothing renormalized) by R in total variation.
+    This is the limit of both ends where k* -> V: lambda -> 0, primal alpha -> 0 (the bound is
+    (lambda alpha)^(1/alpha)) and dual alpha -> 1 (the bound is V lambda alpha (alpha - 1))."""
+    if lam == 0.0:
+        return True
+    exponent = (math.log(lam) + log_gap_floor_scale(mode, alpha)) / alpha
+    return math.log(vocab) + exponent <= math.log(KEEP_ALL_TOLERANCE)
+
+
 #: Families whose k* search is a closed-form gap over the whole window (no iteration).
 CLOSED_GAP_FAMILIES = frozenset({Family.KL, Family.THREE_HALVES, Family.SQUARE})
 #: Families solved by a fixed number of Newton iterations per support size.
 ITERATIVE_FAMILIES = frozenset({Family.POWER, Family.DUAL_THREE_HALVES, Family.DUAL_THREE})
 
 
-def family_of(mode: str, alpha: float, fixed: bool, lam: float = 1.0, capped: bool = False
-              ) -> Family:
-    """The family of one row, from validated parameters (host values, no tensors)."""
-    if not fixed and lam == 0.0 and not capped:
+def family_of(mode: str, alpha: float, fixed: bool, keep_all: bool = False) -> Family:
+    """The family of one row, from validated parameters (host values, no tensors);
+    ``keep_all``: an adaptive row without a cap whose k* is every positive token (`keeps_all`)."""
+    if keep_all and not fixed:
         return Family.KEEP_ALL
     if alpha == 2.0:
         return Family.SQUARE
@@ -115,41 +151,3 @@ def newton_iterations(family: Family, alphas: list[float]) -> int:
     if spread <= 5.0:
         return 8
     return 10
-
-
-def primal_family_masks(alpha: Tensor, no_deficit: Tensor) -> list[tuple[Family, Tensor]]:
-    """Per-row families of the exact primal map (one boolean mask each, disjoint, covering
-    every row): rows without a deficit and alpha = 1 take the KL map, the special alphas of
-    Proposition 4.1 their closed forms, every other alpha the safeguarded Newton (``POWER``)."""
-    kl = no_deficit | (alpha == 1.0)
-    masks = [(Family.KL, kl)]
-    taken = kl
-    for value, family in ((1.5, Family.THREE_HALVES), (2.0, Family.SQUARE),
-                          (math.inf, Family.WATER), (-math.inf, Family.ARGMAX)):
-        rows = (alpha == value) & ~taken
-        masks.append((family, rows))
-        taken = taken | rows
-    masks.append((Family.POWER, ~taken))
-    return masks
-
-
-def dual_family_masks(alpha: Tensor, no_deficit: Tensor) -> list[tuple[Family, Tensor]]:
-    """Per-row families of the exact dual map: KL (no deficit, alpha = 1), SQUARE (alpha = 2,
-    equal to the primal map), WATER (+inf), the quadratic inner equations (3/2, 3) and the nested
-    root finding of Algorithm 1 for every other alpha (``EXACT``)."""
-    kl = no_deficit | (alpha == 1.0)
-    masks = [(Family.KL, kl)]
-    taken = kl
-    for value, family in ((2.0, Family.SQUARE), (math.inf, Family.WATER),
-                          (1.5, Family.DUAL_THREE_HALVES), (3.0, Family.DUAL_THREE)):
-        rows = (alpha == value) & ~taken
-        masks.append((family, rows))
-        taken = taken | rows
-    masks.append((Family.EXACT, ~taken))
-    return masks
-
-
-def has_closed_gaps(mode: str, alpha: float) -> bool:
-    """Whether G(k) has a closed form for every k (`gaps`): primal 1, 3/2 and alpha = 2."""
-    return family_of(mode, alpha, fixed=False) in CLOSED_GAP_FAMILIES and \
-        not (mode == "dual" and alpha == 1.0)

@@ -37,8 +37,6 @@ Closed forms over all k at once (prefix sums; S_k = sum_{i<=k} p_i, R_k = 1 - S_
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .families import Family
@@ -123,5 +121,3 @@ def closed_form_gaps(family: Family, x: Tensor, deficit: Tensor) -> Tensor:
         return square_gaps(x, deficit)
     return three_halves_gaps(x, deficit)
 
-
-LOG_ZERO = -math.inf

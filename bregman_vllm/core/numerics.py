@@ -14,14 +14,6 @@ import torch
 
 Tensor = torch.Tensor
 
-_LOG_HALF = math.log(0.5)
-
-
-def softplus(x: Tensor) -> Tensor:
-    """log(1 + e^x), exact in float64 for every x (torch's softplus cuts off at 20)."""
-    return torch.clamp_min(x, 0.0) + torch.log1p(torch.exp(-x.abs()))
-
-
 def log1mexp(x: Tensor) -> Tensor:
     """log(1 - e^{-x}) for x >= 0 (Maechler's split at log 2); -inf at 0."""
     small = x < math.log(2.0)

@@ -16,7 +16,6 @@ of their positions), so that a batch mixing families is not a pass per family.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ import torch
 
 from ..params import BregmanParamError, check_alpha, parse_mode
 from .candidates import UNBOUNDED
-from .families import ITERATIVE_FAMILIES, Family, family_of, newton_iterations
+from .families import ITERATIVE_FAMILIES, Family, family_of, keeps_all, newton_iterations
 from .generators import BregmanGenerator
 
 Tensor = torch.Tensor
@@ -60,8 +59,7 @@ class Group:
     lam: float | Tensor
     size: int | Tensor  # fixed: the support size; adaptive: the cap k_max (UNBOUNDED: none)
     capped: bool  # adaptive rows with a cap (the limit is min(cap, #positive))
-    width: int  # candidates per row
-    window: int  # adaptive: support sizes searched at once (<= width)
+    width: int  # candidates per row (adaptive: the support sizes searched at once)
     bounded: bool  # every row's cap fits the window: certified without a window check
     iterations: int = 0
     below_two: bool = False  # POWER: some alpha < 2 (b < 1)
@@ -101,27 +99,49 @@ class Plan:
     groups: tuple[Group, ...]
     batch: int  # rows of the batch the plan was made for
     vocab: int
+    #: Per batch row, the inverse temperature of the scores (logits): the step decodes
+    #: softmax(scale * logits) and writes T log q (vLLM's Model Runner V2 divides by T after
+    #: the processor). None: 1 for every row.
+    scale: Tensor | None = None
+    temperature: Tensor | None = None  # 1 / scale, on the device
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
-    @functools.cached_property
-    def joints(self) -> tuple[Joint, ...]:
-        """The groups that share a pass over the batch: window groups of one width class (up
-        to `WINDOW` candidates, or up to `WIDE_WINDOW`), two or more (a wider candidate set
-        would cost the narrower groups' rows more than their own pass). Made once per plan
-        (per batch change in vLLM), with the device copies of the positions."""
+    def passes(self, compiled: bool = False) -> tuple[tuple[Group, ...], tuple[Joint, ...]]:
+        """The groups decoded in a pass of their own, and the joint passes (`Joint`): window
+        groups of one width class (up to `WINDOW` candidates, or up to `WIDE_WINDOW`), two or
+        more (eagerly, a wider candidate set would cost the narrower groups' rows more than
+        their own pass); ``compiled``, every window group of up to `WIDE_WINDOW` candidates in
+        one joint (one read of the batch for all; the extra candidates cost no pass). Made
+        once per plan and mode (per batch change in vLLM), with the device copies of the
+        positions."""
+        cached = self.derived.get(compiled)
+        if cached is not None:
+            return cached
         by_width: dict[int, list[Group]] = {}
         for group in self.groups:
             if group.family in _WINDOW_FAMILIES and group.width <= WIDE_WINDOW:
-                width = WINDOW if group.width <= WINDOW else WIDE_WINDOW
+                width = 0 if compiled else WINDOW if group.width <= WINDOW else WIDE_WINDOW
                 by_width.setdefault(width, []).append(group)
-        return tuple(_joint(members, self.batch) for members in by_width.values()
-                     if len(members) >= 2)
+        joints = tuple(_joint(members, self.batch) for members in by_width.values()
+                       if len(members) >= 2)
+        shared = {id(group) for joint in joints for group in joint.groups}
+        alone = tuple(group for group in self.groups if id(group) not in shared)
+        self.derived[compiled] = (alone, joints)
+        return alone, joints
 
+    def with_groups(self, groups: tuple[Group, ...]) -> Plan:
+        """This plan's batch (its temperatures too) with only ``groups``."""
+        return Plan(groups, self.batch, self.vocab, self.scale, self.temperature)
 
-    @functools.cached_property
+    @property
+    def joints(self) -> tuple[Joint, ...]:
+        """The joint passes of the eager step (`passes`)."""
+        return self.passes()[1]
+
+    @property
     def alone(self) -> tuple[Group, ...]:
-        """The groups decoded in a pass of their own (in no joint), once per plan."""
-        shared = {id(group) for joint in self.joints for group in joint.groups}
-        return tuple(group for group in self.groups if id(group) not in shared)
+        """The groups decoded in a pass of their own by the eager step (`passes`)."""
+        return self.passes()[0]
 
 
 def _joint(members: list[Group], batch: int) -> Joint:
@@ -257,20 +277,23 @@ def _classify(mode: str, alpha: float, lam: float, top: int, cap: int, generator
         for name, value in ((top_name, top), (cap_name, cap)):
             if value < 0:
                 raise BregmanParamError(name, f"must be an integer >= 1, got {value}")
+    if generator is None and validate:
+        check_alpha(alpha, mode, fixed_k=top > 0, field=alpha_name)
     # The vocabulary bounds every support: larger sizes are clamped (never an error).
     top, cap = min(top, vocab), min(cap, vocab)
     fixed_size = min(top, cap) if top and cap else top
-    if not top and cap and lam == 0.0:
-        fixed_size = cap  # lambda = 0 keeps every nonzero entry: k* = k_max
+    # lambda = 0, or a lambda below which no token can be dropped (within `KEEP_ALL_TOLERANCE`):
+    # k* is every positive entry, so with a cap k* = k_max.
+    valid_alpha = generator is None and math.isfinite(alpha) and \
+        alpha > (1.0 if mode == "dual" else 0.0)
+    every = not top and (keeps_all(mode, alpha, lam, vocab) if valid_alpha else lam == 0.0)
+    if every and cap:
+        fixed_size = cap
     fixed = fixed_size > 0
     if generator is not None:
-        keep = not fixed and lam == 0.0 and not cap
-        return (Family.KEEP_ALL if keep else Family.EXACT, fixed, 0.0, lam, fixed_size, cap)
-    if validate and top > 0:
-        check_alpha(alpha, mode, fixed_k=True, field=alpha_name)
-    elif validate:
-        check_alpha(alpha, mode, fixed_k=False, field=alpha_name)
-    family = family_of(mode, alpha, fixed, lam, capped=cap > 0)
+        return (Family.KEEP_ALL if every and not fixed else Family.EXACT, fixed, 0.0, lam,
+                fixed_size, cap)
+    family = family_of(mode, alpha, fixed, keep_all=every)
     if family == Family.KEEP_ALL:
         fixed = False
     return (family, fixed, alpha, lam, fixed_size, cap)
@@ -315,9 +338,13 @@ def _rows(mode, alpha, lam, top_k, k_max, alphas, lams, tops, caps, batch, gener
 
 
 def plan_requests(requests: Sequence[tuple[int, object]], *, batch: int, vocab: int,
-                  device: torch.device | str) -> Plan:
-    """The plan of a vLLM batch: ``requests`` lists (batch position, validated
-    `bregman_vllm.params.BregmanParams`) for the rows to decode; other rows are left alone.
+                  device: torch.device | str,
+                  temperatures: Sequence[float] | None = None) -> Plan:
+    """The plan of a vLLM batch: ``requests`` lists (batch position,
+    `bregman_vllm.params.BregmanParams`, valid by construction: not validated again) for the
+    rows to decode; other rows are left alone.
+    ``temperatures``: per batch row, the temperature the caller divides the logits by after
+    the step (`Plan.scale`); None: the logits are decoded as they are.
 
     Host work only (the parameters were validated at admission), plus pinned, non-blocking
     copies of the group positions and per-row values.
@@ -331,7 +358,7 @@ def plan_requests(requests: Sequence[tuple[int, object]], *, batch: int, vocab: 
         if row is None:
             row = seen[params] = _classify(
                 params.mode, float(params.alpha), float(params.lam), params.top_k or 0,
-                params.k_max or 0, None, True, names, vocab)
+                params.k_max or 0, None, False, names, vocab)
         by_key.setdefault((params.mode, row[0], row[1]), []).append((position, row))
     groups = []
     for (mode, family, fixed), members in by_key.items():
@@ -342,7 +369,11 @@ def plan_requests(requests: Sequence[tuple[int, object]], *, batch: int, vocab: 
                              [r[2] for _, r in members], [r[3] for _, r in members],
                              [r[4] for _, r in members], [r[5] for _, r in members],
                              device, None, vocab, host_rows=tuple(positions)))
-    return Plan(tuple(groups), batch, vocab)
+    scale = temperature = None
+    if temperatures is not None and any(t != 1.0 for t in temperatures):
+        scale = _to_device([1.0 / t for t in temperatures], torch.float32, device)
+        temperature = _to_device(list(temperatures), torch.float32, device)
+    return Plan(tuple(groups), batch, vocab, scale, temperature)
 
 
 def _to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -367,13 +398,13 @@ def _group(family: Family, mode: str, fixed: bool, rows: Tensor | None, count: i
            host_rows: tuple[int, ...] | None = None) -> Group:
     capped = any(c > 0 for c in caps)
     if fixed:
-        width = window = max(1, max(sizes))
+        width = max(1, max(sizes))
         bounded = True
     else:
         cap_values = [c if c > 0 else UNBOUNDED for c in caps]
         largest = min(max(cap_values), vocab)  # no support is larger than the vocabulary
-        width = window = max(1, min(_window(family, min(lams)), largest))
-        bounded = largest <= window
+        width = max(1, min(_window(family, min(lams)), largest))
+        bounded = largest <= width
         sizes = cap_values
     iterations = newton_iterations(family, alphas) if family in ITERATIVE_FAMILIES else 0
     below = family == Family.POWER and any(a < 2.0 for a in alphas)
@@ -383,7 +414,7 @@ def _group(family: Family, mode: str, fixed: bool, rows: Tensor | None, count: i
         alpha=_per_row(alphas, torch.float64, device, uniform),
         lam=_per_row(lams, torch.float64, device, uniform),
         size=_per_row(sizes, torch.long, device, uniform),
-        capped=capped, width=width, window=window, bounded=bounded, iterations=iterations,
+        capped=capped, width=width, bounded=bounded, iterations=iterations,
         below_two=below, above_two=above, generator=generator,
         host={"alpha": alphas, "lam": lams, "size": sizes, "cap": caps},
         host_rows=None if rows is None else host_rows,

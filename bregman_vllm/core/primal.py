@@ -33,7 +33,6 @@ import math
 
 import torch
 
-from .families import Family, primal_family_masks
 from .numerics import log_expm1, logsumexp_masked
 from .roots import safeguarded_newton
 
@@ -202,44 +201,3 @@ def newton_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
         delta = safeguarded_newton(top_equation, start, low, high)
         out[i] = _normalized(_top_log_q(lpi, fin, b, delta), mask[i])
     return out
-
-
-_CLOSED_MAPS = {
-    Family.KL: lambda lp, mk, ld, kk: kl_log_renorm(lp, mk),
-    Family.THREE_HALVES: three_halves_log_renorm,
-    Family.SQUARE: square_log_renorm,
-    Family.WATER: lambda lp, mk, ld, kk: water_filling_log_renorm(lp, mk, ld),
-    Family.ARGMAX: lambda lp, mk, ld, kk: argmax_fill_log_renorm(lp, mk, ld),
-}
-
-
-def primal_log_renorm(log_p: Tensor, k: Tensor, alpha: Tensor, log_deficit: Tensor) -> Tensor:
-    """T_alpha on the top-k entries of each row, in log space (the exact path's map).
-
-    Args:
-        log_p: ``[..., K]`` log-probabilities sorted in decreasing order.
-        k: ``[...]`` support sizes, 1 <= k <= K.
-        alpha: ``[...]`` exponents (any value except 0; +-inf allowed).
-        log_deficit: ``[...]`` log(1 - S_k), the mass left outside the support (-inf if none).
-
-    Returns:
-        ``[..., K]`` log q, normalized, -inf at positions >= k.
-    """
-    shape = log_p.shape
-    lp = log_p.reshape(-1, shape[-1])
-    mk = support_mask(k, shape[-1]).reshape(-1, shape[-1])
-    ld = log_deficit.reshape(-1)
-    kk = k.reshape(-1)
-    out = torch.full_like(lp, -math.inf)
-    # No deficit: every map is the identity, i.e. the KL map (q = p / S with S = 1).
-    no_deficit = torch.isneginf(ld)
-    for family, rows in primal_family_masks(alpha.to(log_p.dtype).reshape(-1), no_deficit):
-        index = rows.nonzero().squeeze(-1)
-        if index.numel() == 0:
-            continue
-        i = index
-        if family in _CLOSED_MAPS:
-            out[i] = _CLOSED_MAPS[family](lp[i], mk[i], ld[i], kk[i])
-        else:
-            out[i] = newton_log_renorm(lp[i], mk[i], alpha.reshape(-1)[i], ld[i], kk[i])
-    return out.reshape(shape)

@@ -3,27 +3,29 @@
 This is the hot path (vLLM calls it once per generated token for the whole batch). The plan
 (`plan`) groups rows by formula family; groups of one window size class share one pass (a
 `plan.Joint`: a batch mixing alphas, modes and lambdas is one pass, split only for each
-family's formulas on its rows' candidates), the others (lambda = 0, the exact family, wide
-fixed top-k) run alone. Each pass, in order:
+family's formulas on its rows' candidates), the others (lambda -> 0, the exact family, wide
+fixed top-k) run alone. Each pass makes three passes over its rows of the batch, and no [n, V]
+intermediate:
 
-1. p = softmax(logits) (or the given probabilities, negatives counted as 0), rows gathered from
-   the batch only when the pass does not cover the whole batch;
-2. the candidates: the top `width` entries and the deficits R_k (`candidates`);
-3. per family, the support size and the map: fixed k, or the adaptive k* (the minimizer of
+1. `_start`: the candidates (`candidates`: block maxima, read 1; block masses, hence the
+   log-normalizer, read 2; for logits no probability tensor is made), then per family the
+   support size and the map on the candidates: fixed k, or the adaptive k* (the minimizer of
    cost(k), eq. (6) of arXiv 2505.19371) over a fixed window of sizes (`window`), with a
    certificate for rows whose answer could lie outside what the window decided;
-4. the output: log q (or q) on the support, -inf (or 0) elsewhere; rows that are not
-   distributions (NaN, no mass) come back unchanged.
+2. one host sync, only for plans that can produce uncertified rows (`_may_flag`): how many rows
+   need the exact path; those rows are then decoded by it (`exact`, value-dependent) from the
+   scores, which are still as given;
+3. `_finish`: the write (`write.write_support`, write 3): -inf (logits) or 0 off the support,
+   log q (or q) on it; rows that are not distributions (NaN, +inf, no mass) keep their values.
 
-Then one host sync, only for plans that can produce uncertified rows: if any row of any group
-is uncertified, those rows are decoded again by the exact path (`exact`, value-dependent). Plans
-whose every support fits the window (every row's k_max, or a fixed top-k, at most the window)
-never sync, whatever the family (`_support_and_map`). Everything before the sync is a fixed
-sequence of ops on fixed shapes.
+Rows are gathered from the batch only for a pass that does not cover all of it. Plans whose
+every support fits the window (every row's k_max, or a fixed top-k, at most the window) never
+sync, whatever the family. Everything before the sync is a fixed sequence of ops on fixed
+shapes. A per-row temperature (`plan.Plan.scale`, vLLM's Model Runner V2) enters the
+log-normalizer only; the values written are T log q.
 
-Extra memory of one step (besides the output) is bounded for any parameters: the
-probabilities of the decoded rows (one [n, V] tensor in the score dtype), a gathered copy of the
-scores when a group is not the whole batch, O(n W) float64 candidate arrays, O(n K^2) float64
+Extra memory of one step (besides the output) is bounded for any parameters: a gathered copy of
+the rows when a pass is not the whole batch, O(n W) float64 candidate arrays, O(n K^2) float64
 Newton arrays for the iterative families (K = window <= 64), and row chunks of at most
 `exact.MEMORY_BUDGET` bytes for fixed-k groups wider than the window and for the exact path.
 No float64 [n, V] array is ever made. `step_memory_bound` gives the bound in bytes.
@@ -31,6 +33,7 @@ No float64 [n, V] array is ever made. `step_memory_bound` gives the bound in byt
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -41,155 +44,183 @@ from typing import NamedTuple
 
 import torch
 
-from .candidates import UNBOUNDED, Candidates, candidates
-from .exact import MEMORY_BUDGET, _keep_all, decode_exact, exact_plan
+from .candidates import UNBOUNDED, Candidates, candidates, cut, log_smallest, select
+from .exact import MEMORY_BUDGET, decode_exact, exact_plan
 from .families import CLOSED_GAP_FAMILIES, ITERATIVE_FAMILIES, Family
 from .plan import WIDE_WINDOW, WINDOW, Group, Joint, Plan
 from .window import Decoded, closed_map, closed_search, iterative_fixed, iterative_search
+from .write import output_values, write_support
 
 Tensor = torch.Tensor
 logger = logging.getLogger(__name__)
 
 
-class _Result(NamedTuple):
-    out: Tensor  # [n, V] the group's decoded rows
+class StepResult(NamedTuple):
+    """What one `decode_step` returns."""
+
+    out: Tensor  # [N, V] the decoded batch (``scores`` itself when in place)
+    k: Tensor  # [N] support size per row, on the device (0 for rows not decoded)
+    #: Rows the fixed-shape step handed to the exact path (a host int, read at the step's one
+    #: sync; 0 when the step did not sync). Exact-family rows are not counted.
+    exact_rows: int
+
+
+class _Window(NamedTuple):
+    """The fixed-shape part of a window pass (`fixed_shape_group`, `joint_groups`)."""
+
+    index: Tensor  # [n, W] candidate positions
+    log_q: Tensor  # [n, W] log T_k* on them (-inf past k*)
     k: Tensor  # [n]
+    valid: Tensor  # [n] rows that are distributions
     needs: Tensor | None  # [n] rows to decode again with the exact path (None: none can)
-    p: Tensor | None  # [n, V] probabilities, kept for the exact path
-    past: Tensor | None = None  # [n] rows whose k* is certified to be >= the window
+    past: Tensor | None  # [n] rows among those whose k* is certified >= the window
 
 
 @dataclass
-class StepStats:
-    """Host counts of one or more steps, filled in by `decode_step` when the caller passes one
-    (telemetry: ``bregman_exact_path_rows_total``)."""
+class _Pass:
+    """One pass of the step over some rows of the batch."""
 
-    #: Rows the fixed-shape step could not certify and handed to the exact path (counted at the
-    #: step's one host sync; no sync of its own).
-    uncertified_rows: int = 0
+    owner: Group | Joint
+    rows: Tensor | None  # batch rows (None: every row, in order)
+    source: Tensor  # the pass's scores: the batch itself, or a gathered copy of its rows
+    scale: Tensor | None  # the rows' inverse temperatures
+    temperature: Tensor | None  # and temperatures
+    k: Tensor  # [n]
+    window: _Window | None = None  # window passes
+    shift: Tensor | None = None  # keep-all passes (logits): what is subtracted from each row
+    done: Tensor | None = None  # rows the exact path finished
+    written: bool = False  # the pass wrote its rows itself (chunked wide fixed-k)
+    exact_rows: int = 0  # rows a chunked pass handed to the exact path
 
 
-def decode_step(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = False,
-                stats: StepStats | None = None) -> tuple[Tensor, Tensor]:
+def decode_step(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = False
+                ) -> StepResult:
     """Decode the rows of ``scores`` ([N, V] logits, or probabilities with ``logits=False``)
-    that the plan's groups name. Returns (decoded [N, V], k [N]); rows outside every group are
-    left as they are (and get k = 0). With ``inplace`` the result is written into ``scores``.
-    With ``stats``, the rows handed to the exact path are added to it.
+    that the plan's groups name; rows outside every group are left as they are (and get
+    k = 0). With ``inplace`` the result is written into ``scores``.
 
-    Exceptions propagate. With ``inplace``, one raised by the exact path after the fixed step
-    wrote the whole batch carries ``bregman_uncertified_rows`` (the rows that keep the fixed
-    step's uncertified answer, a distribution on the window): ``scores`` is then decoded and
-    must not be decoded again.
+    Exceptions propagate. With ``inplace``, one raised by the exact path is raised after the
+    other rows were written, and carries ``bregman_uncertified_rows`` (the rows the exact path
+    did not finish, which keep the fixed step's uncertified answer, a distribution on the
+    window, or their own values for exact-family rows): ``scores`` is then decoded and must not
+    be decoded again.
     """
-    # (result, group or joint pass, batch rows of the result: None = every row in order)
-    results: list[tuple[_Result, Group | Joint, Tensor | None]] = [
-        (_decode_group(scores, group, logits, inplace), group, group.rows)
-        for group in plan.alone]
-    results += [(_decode_joint(scores, joint, logits, inplace), joint, joint.rows)
-                for joint in plan.joints]
-    # The step's only host sync: how many rows need the exact path.
-    counts = [result.needs.sum() for result, _, _ in results if result.needs is not None]
-    uncertified = int(torch.stack(counts).sum() if len(counts) > 1 else counts[0]) \
-        if counts else 0
-    if stats is not None:
-        stats.uncertified_rows += uncertified
-    if uncertified:
+    alone, joints = plan.passes(_graphs_ready(scores, logits))
+    passes = [_start(scores, owner, plan, logits, inplace) for owner in (*alone, *joints)]
+    # The step's only host sync, for plans that can produce uncertified rows.
+    counts = [p.window.needs.sum() for p in passes
+              if p.window is not None and p.window.needs is not None]
+    exact_rows = 0 if not counts else int(counts[0] if len(counts) == 1 else
+                                          torch.stack(counts).sum())
+    exact_rows += sum(p.exact_rows for p in passes)
+    whole = len(passes) == 1 and passes[0].rows is None
+    exact_family = any(p.owner.family == Family.EXACT for p in passes
+                       if isinstance(p.owner, Group))
+    if inplace:
+        out = scores
+    elif whole and not exact_rows and not exact_family:
+        out = None  # made by the write (one read of the scores, one write)
+    else:
+        out = scores.clone()
+    failure: Exception | None = None
+    for p in passes:
         try:
-            results = [(_redo(result, owner, logits), owner, rows)
-                       for result, owner, rows in results]
-        except Exception as error:
-            if inplace and any(rows is None for _, _, rows in results):
-                # ``scores`` already holds the step's output: tell the caller not to decode
-                # it again, and how many rows kept the window's uncertified answer.
-                error.bregman_uncertified_rows = uncertified  # type: ignore[attr-defined]
-            raise
-    if len(results) == 1 and results[0][2] is None:
-        return results[0][0].out, results[0][0].k  # (``scores`` itself when inplace)
-    out = scores if inplace else scores.clone()
+            _exact(p, out, logits, exact_rows > 0)
+        except Exception as error:  # the other passes are still written
+            failure = failure or error
+    for p in passes:
+        out = _finish(p, out, scores, logits)
+    if failure is not None:
+        if inplace:
+            # ``scores`` holds the step's output: tell the caller not to decode it again, and
+            # how many rows the exact path left.
+            failure.bregman_uncertified_rows = sum(  # type: ignore[attr-defined]
+                _unfinished(p) for p in passes)
+        raise failure
+    if whole:
+        return StepResult(out, passes[0].k, exact_rows)
     k = torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device)
-    for result, _, rows in results:
-        rows = torch.arange(scores.shape[0], device=scores.device) if rows is None else rows
-        out.index_copy_(0, rows, result.out)
-        k.index_copy_(0, rows, result.k)
-    return out, k
+    for p in passes:
+        k.index_copy_(0, _all_rows(p, scores), p.k)
+    return StepResult(out, k, exact_rows)
 
 
-def _decode_joint(scores: Tensor, joint: Joint, logits: bool, inplace: bool) -> _Result:
+def _all_rows(p: _Pass, scores: Tensor) -> Tensor:
+    if p.rows is not None:
+        return p.rows
+    return torch.arange(scores.shape[0], device=scores.device)
+
+
+# ----------------------------------------------------------------------------- 1. start
+
+
+def _scale_of(owner: Group | Joint, plan: Plan) -> tuple[Tensor | None, Tensor | None]:
+    """The inverse temperatures and temperatures of a pass's rows, gathered once per plan."""
+    if plan.scale is None or plan.temperature is None:
+        return None, None
+    if "scale" not in owner.derived:
+        owner.derived["scale"] = tuple(
+            values if owner.rows is None else values.index_select(0, owner.rows)
+            for values in (plan.scale, plan.temperature))
+    return owner.derived["scale"]
+
+
+def _start(scores: Tensor, owner: Group | Joint, plan: Plan, logits: bool, inplace: bool
+           ) -> _Pass:
+    """Step 1 for one pass: everything before the sync (no write, except for wide fixed-k
+    groups, which run in row chunks start to end)."""
+    source = scores if owner.rows is None else scores.index_select(0, owner.rows)
+    scale, temperature = _scale_of(owner, plan)
+    if isinstance(owner, Joint):
+        window = _window_pass(source, owner, logits, scale)
+        return _Pass(owner, owner.rows, source, scale, temperature, window.k, window=window)
+    if owner.family == Family.KEEP_ALL:
+        return _keep_all_start(owner, source, logits, scale, temperature)
+    if owner.family == Family.EXACT:
+        return _Pass(owner, owner.rows, source, scale, temperature,
+                     torch.zeros(source.shape[0], dtype=torch.long, device=source.device))
+    static = _Static.of(owner)
+    chunk = max(1, MEMORY_BUDGET // (static.width * _WIDE_BYTES_PER_ENTRY))
+    if source.shape[0] > chunk:
+        return _chunked(owner, static, source, logits, scale, temperature, chunk, inplace)
+    window = _fast(source, static, owner.alpha, owner.lam, owner.size, logits, scale, owner)
+    return _Pass(owner, owner.rows, source, scale, temperature, window.k, window=window)
+
+
+def _window_pass(source: Tensor, joint: Joint, logits: bool, scale: Tensor | None) -> _Window:
     """The joint pass (`joint_groups`) over the union of its groups' rows."""
-    rows = scores if joint.rows is None else scores.index_select(0, joint.rows)
-    writable = inplace or (joint.rows is not None and logits)
     if "static" not in joint.derived:  # once per plan
         joint.derived["static"] = _JointStatic(
             tuple(_Static.of(group) for group in joint.groups), joint.width)
         joint.derived["values"] = tuple(
             tuple(getattr(group, name) for group in joint.groups)
             for name in ("alpha", "lam", "size"))
+    compiled = _compiled_window(joint, source, logits, scale)
+    if compiled is not None:
+        return compiled
     static = joint.derived["static"]
-    args = (joint.positions, *joint.derived["values"], logits, writable)
-    if compile_enabled(rows.device) and not _COMPILED.get("failed"):
-        try:
-            return _Result(*compiled_group(static)(rows, *args))
-        except Exception:  # a compiler that cannot handle this device: stay eager for good
-            logger.warning("torch.compile of the Bregman step failed; running it eagerly",
-                           exc_info=True)
-            _COMPILED["failed"] = True
-    return _Result(*joint_groups(rows, static, *args))
+    args = (joint.positions, *joint.derived["values"], logits, scale)
+    return _Window(*joint_groups(source, static, *args))
 
 
-def _redo(result: _Result, owner: Group | Joint, logits: bool) -> _Result:
-    """`_redo_uncertified` for a group, or for each group of the joint pass on its rows."""
-    if isinstance(owner, Group):
-        return _redo_uncertified(result, owner, logits)
-    for group, where in zip(owner.groups, owner.positions, strict=True):
-        if _may_flag(_Static.of(group)):
-            result = _redo_uncertified(result, group, logits, where)
-    return result
+def _keep_all_start(group: Group, source: Tensor, logits: bool, scale: Tensor | None,
+                    temperature: Tensor | None) -> _Pass:
+    """Every positive entry kept, renormalized (lambda -> 0, `families.keeps_all`): for
+    logits, the log-normalizer (read 1) and the number of entries whose probability is nonzero
+    in the score dtype (read 2); the write subtracts T times the normalizer."""
+    if not logits:
+        return _Pass(group, group.rows, source, scale, temperature,
+                     torch.zeros(source.shape[0], dtype=torch.long, device=source.device))
+    scaled = source if scale is None else source * scale.unsqueeze(-1)
+    total = torch.logsumexp(scaled, -1)
+    valid = torch.isfinite(total)
+    threshold = (total + log_smallest(source.dtype)).unsqueeze(-1)
+    k = torch.where(valid, (scaled >= threshold).sum(-1), 0)
+    shift = torch.where(valid, total if temperature is None else total * temperature, 0.0)
+    return _Pass(group, group.rows, source, scale, temperature, k, shift=shift)
 
 
-def _decode_group(scores: Tensor, group: Group, logits: bool, inplace: bool) -> _Result:
-    rows = scores if group.rows is None else scores.index_select(0, group.rows)
-    # A gathered copy is ours to overwrite, unless it doubles as the probabilities (which the
-    # exact path may still need).
-    writable = inplace or (group.rows is not None and logits)
-    if group.family == Family.KEEP_ALL:
-        out, k = _keep_all_logits(rows) if logits else _keep_all(rows)
-        if writable and out is not rows:
-            out = rows.copy_(out)
-        return _Result(out, k, None, None)
-    if group.family == Family.EXACT:
-        result = _exact_rows(rows, _probabilities(rows, logits, writable), group, logits)
-        if writable:
-            rows.copy_(result.out)
-            result = result._replace(out=rows)
-        return result
-    static = _Static.of(group)
-    chunk = max(1, MEMORY_BUDGET // (static.width * _WIDE_BYTES_PER_ENTRY))
-    if rows.shape[0] <= chunk:
-        return _Result(*_fast(rows, static, group.alpha, group.lam, group.size, logits,
-                              writable))
-    # A wide fixed top-k: rows in chunks, so its [rows, width] float64 arrays stay bounded.
-    out = rows if writable else rows.clone()
-    parts = [_fast(out[piece], static, _rows_of(group.alpha, piece), _rows_of(group.lam, piece),
-                   _rows_of(group.size, piece), logits, True)
-             for piece in (slice(start, start + chunk)
-                           for start in range(0, rows.shape[0], chunk))]
-    k = torch.cat([part[1] for part in parts])
-    needs = None if parts[0][2] is None else torch.cat([part[2] for part in parts])
-    # Fixed-k rows: no window search, so no ``past`` bound (parts[0][4] is None).
-    return _Result(out, k, needs, torch.cat([part[3] for part in parts]))
-
-
-def _rows_of(value, piece: slice):
-    return value[piece] if isinstance(value, Tensor) else value
-
-
-def _probabilities(rows: Tensor, logits: bool, writable: bool) -> Tensor:
-    """softmax(rows), or the given probabilities (copied when the rows will be overwritten).
-    Negative probabilities are never candidates (they sort last) and their values are clamped
-    to 0 where they are (`candidates.candidates`)."""
-    if logits:
-        return torch.softmax(rows, -1)
-    return rows.clone() if writable else rows
+# ----------------------------------------------------------------------------- fixed shapes
 
 
 @dataclass(frozen=True)
@@ -201,7 +232,6 @@ class _Static:
     capped: bool
     bounded: bool
     width: int
-    window: int
     iterations: int
     below_two: bool
     above_two: bool
@@ -213,47 +243,8 @@ class _Static:
         if static is None:
             static = group.derived["static"] = cls(
                 group.family, group.fixed, group.capped, group.bounded, group.width,
-                group.window, group.iterations, group.below_two, group.above_two)
+                group.iterations, group.below_two, group.above_two)
         return static
-
-
-def fixed_shape_group(rows: Tensor, static: _Static, alpha, lam, size, logits: bool,
-                      writable: bool
-                      ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
-    """Steps 1-4 of the module docstring for one group: a fixed sequence of ops on fixed
-    shapes, no host sync. Returns (decoded rows, k, rows needing the exact path or None, the
-    probabilities, rows among those whose k* is certified >= the window or None)."""
-    p = _probabilities(rows, logits, writable)
-    cand = candidates(p, static.width)
-    valid = _valid(cand, logits)
-    decoded = _support_and_map(cand, static, alpha, lam, size)
-    out = _write(rows, cand.index[:, : decoded.log_q.shape[-1]], decoded.log_q, valid, logits,
-                 writable)
-    needs = None if decoded.uncertain is None else decoded.uncertain & valid
-    return out, decoded.k * valid, needs, p, decoded.past
-
-
-def _valid(cand: Candidates, logits: bool) -> Tensor:
-    """Rows that are distributions (others are returned as given)."""
-    return (cand.total > 0) if logits else (cand.total > 0) & (cand.total < math.inf)
-
-
-def _write(rows: Tensor, index: Tensor, log_q: Tensor, valid: Tensor, logits: bool,
-           writable: bool) -> Tensor:
-    """Step 4: log q (or q) at ``index``, -inf (or 0) elsewhere, on the valid rows."""
-    values = log_q if logits else torch.exp(log_q)
-    # Rows that are not distributions get their own values back.
-    values = torch.where(valid.unsqueeze(-1), values.to(rows.dtype), torch.gather(rows, 1, index))
-    # Off the support: -inf (logits) or 0 (probabilities) on valid rows, the row's own values
-    # elsewhere; as one-sided bounds per row, each one fast pass (measured on CPU at
-    # [64, 128256]: an in-place one-sided clamp 0.3 ms; a two-sided clamp with tensor bounds,
-    # a broadcast where or masked_fill 2.4 to 4.4 ms).
-    high = torch.where(valid, -math.inf if logits else 0.0, math.inf).unsqueeze(-1)
-    high = high.to(rows.dtype)
-    out = rows.clamp_(max=high) if writable else torch.minimum(rows, high)
-    if not logits:
-        out = out.clamp_(min=torch.where(valid, 0.0, -math.inf).unsqueeze(-1).to(rows.dtype))
-    return out.scatter_(1, index, values)
 
 
 @dataclass(frozen=True)
@@ -262,6 +253,17 @@ class _JointStatic:
 
     statics: tuple[_Static, ...]
     width: int
+
+
+def fixed_shape_group(rows: Tensor, static: _Static, alpha, lam, size, logits: bool,
+                      scale: Tensor | None):
+    """Step 1 for one group: a fixed sequence of ops on fixed shapes, no host sync, no write.
+    Returns the fields of `_Window`."""
+    cand = candidates(rows, static.width, logits=logits, scale=scale)
+    decoded = _support_and_map(cand, static, alpha, lam, size)
+    needs = None if decoded.uncertain is None else decoded.uncertain & cand.valid
+    return (cand.index[:, : decoded.log_q.shape[-1]], decoded.log_q, decoded.k * cand.valid,
+            cand.valid, needs, decoded.past)
 
 
 def _may_flag(static: _Static) -> bool:
@@ -274,16 +276,13 @@ def _may_flag(static: _Static) -> bool:
 
 
 def joint_groups(rows: Tensor, joint: _JointStatic, positions: tuple[Tensor, ...],
-                 alphas: tuple, lams: tuple, sizes: tuple, logits: bool, writable: bool
-                 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
-    """Steps 1-4 for several groups in one pass: one softmax and one candidate set of
-    ``joint.width`` for all ``rows``, each group's support and map on its own rows'
-    candidates (``positions``: the group's rows within ``rows``), one write of the output.
-    A fixed sequence of ops on fixed shapes, no host sync. Returns what `fixed_shape_group`
-    returns, for all the rows."""
-    p = _probabilities(rows, logits, writable)
-    cand = candidates(p, joint.width)
-    valid = _valid(cand, logits)
+                 alphas: tuple, lams: tuple, sizes: tuple, logits: bool,
+                 scale: Tensor | None):
+    """Step 1 for several groups in one pass: one candidate set of ``joint.width`` for all
+    ``rows``, each group's support and map on its own rows' candidates (``positions``: the
+    group's rows within ``rows``). A fixed sequence of ops on fixed shapes, no host sync.
+    Returns the fields of `_Window` for all the rows."""
+    cand = candidates(rows, joint.width, logits=logits, scale=scale)
     n, width = cand.x.shape
     log_q = cand.x.new_full((n, width), -math.inf)
     k = torch.zeros(n, dtype=torch.long, device=rows.device)
@@ -292,7 +291,7 @@ def joint_groups(rows: Tensor, joint: _JointStatic, positions: tuple[Tensor, ...
     past = torch.zeros(n, dtype=torch.bool, device=rows.device) if flags else None
     for i, static in enumerate(joint.statics):
         where = positions[i]
-        decoded = _support_and_map(_select(cand, where, static.width), static, alphas[i],
+        decoded = _support_and_map(select(cand, where, static.width), static, alphas[i],
                                    lams[i], sizes[i])
         short = width - decoded.log_q.shape[-1]
         rows_log_q = decoded.log_q if short == 0 else \
@@ -304,38 +303,24 @@ def joint_groups(rows: Tensor, joint: _JointStatic, positions: tuple[Tensor, ...
         if decoded.past is not None and past is not None:
             past.index_copy_(0, where, decoded.past)
     # Past a group's own support its candidates are off the support: -inf there is right.
-    out = _write(rows, cand.index, log_q, valid, logits, writable)
-    return out, k * valid, None if needs is None else needs & valid, p, past
-
-
-def _select(cand: Candidates, where: Tensor, width: int) -> Candidates:
-    """The candidates of the rows ``where``, cut to the first ``width`` (what `candidates`
-    gives for that width: the deficits do not depend on it, the count of known positive
-    entries does)."""
-    x = cand.x[:, :width].index_select(0, where)
-    deficit = cand.deficit[:, :width].index_select(0, where)
-    index = cand.index[:, :width].index_select(0, where)
-    total = cand.total.index_select(0, where)
-    if width == cand.x.shape[-1]:
-        return Candidates(x, index, deficit, total, cand.known.index_select(0, where))
-    # Every positive entry is among the first ``width`` unless all are positive and mass
-    # (R_width) lies beyond them.
-    incomplete = (x[:, -1] > 0) & (deficit[:, -1] > 0)
-    known = (x > 0).sum(-1).masked_fill_(incomplete, UNBOUNDED)
-    return Candidates(x, index, deficit, total, known)
+    return (cand.index, log_q, k * cand.valid, cand.valid,
+            None if needs is None else needs & cand.valid, past)
 
 
 def _support_and_map(cand: Candidates, static: _Static, alpha, lam, size) -> Decoded:
-    """Step 3. Iterative families whose every support fits the first window (adaptive groups
-    with `Group.bounded`, fixed sizes up to `WINDOW`) take the fixed Newton iterations' answer
-    as final without computing their certificates (convergence, near-ties), so such groups
-    never sync. Evidence, not a proof: on a sweep of extreme inputs the certificates never fail
-    there (`tests/test_gpu_readiness.py` computes them and requires it). Elsewhere a row the
-    window may not hold still goes to the exact path."""
+    """The support size and the map on the candidates. Iterative families whose every support
+    fits the first window (adaptive groups with `Group.bounded`, fixed sizes up to `WINDOW`)
+    take the fixed Newton iterations' answer as final without computing their certificates
+    (convergence, near-ties), so such groups never sync. Evidence, not a proof: on a sweep of
+    extreme inputs the certificates never fail there (`tests/test_gpu_readiness.py` computes
+    them and requires it). Elsewhere a row the window may not hold still goes to the exact
+    path."""
     family = static.family
     if static.fixed:
-        k = torch.minimum(cand.known, size) if isinstance(size, Tensor) \
-            else cand.known.clamp_max(size)
+        # (at least 1: a row that is not a distribution has no positive entry, and is never
+        # written; at most the width: the compiled pass runs every family on every row)
+        k = torch.minimum(cand.known, size).clamp(1, static.width) \
+            if isinstance(size, Tensor) else cand.known.clamp(1, min(size, static.width))
         if family in ITERATIVE_FAMILIES:
             return iterative_fixed(family, cand, alpha, k, static.width, static.iterations,
                                    static.below_two, static.above_two,
@@ -348,30 +333,277 @@ def _support_and_map(cand: Candidates, static: _Static, alpha, lam, size) -> Dec
     else:
         limit = cand.known.clamp_max(size)
     if family in CLOSED_GAP_FAMILIES:
-        return closed_search(family, cand, lam, limit, static.window, static.bounded)
-    return iterative_search(family, cand, alpha, lam, limit, static.window, static.iterations,
+        return closed_search(family, cand, lam, limit, static.width, static.bounded)
+    return iterative_search(family, cand, alpha, lam, limit, static.width, static.iterations,
                             static.bounded, static.below_two, static.above_two,
                             certify=_may_flag(static))
 
 
-# ----------------------------------------------------------------------------- compilation
+#: Peak bytes per (row, candidate) of a fixed-k group (measured: 59 for dual 3/2, k = 20000).
+_WIDE_BYTES_PER_ENTRY = 96
 
-_COMPILED: dict[object, object] = {}
+
+def _chunked(group: Group, static: _Static, source: Tensor, logits: bool,
+             scale: Tensor | None, temperature: Tensor | None, chunk: int, inplace: bool
+             ) -> _Pass:
+    """A fixed top-k wider than the memory budget allows for every row at once: each chunk of
+    rows start to end (candidates, map, its own sync and exact path when the family may flag,
+    write), so its [rows, width] float64 arrays stay bounded. The pass writes its rows itself:
+    into ``source`` (the batch in place, or a copy of it, or the gathered rows)."""
+    if group.rows is None and not inplace:
+        source = source.clone()
+    k = torch.zeros(source.shape[0], dtype=torch.long, device=source.device)
+    exact_rows = 0
+    for start in range(0, source.shape[0], chunk):
+        piece = slice(start, start + chunk)
+        part = source[piece]
+        part_scale = None if scale is None else scale[piece]
+        part_temperature = None if temperature is None else temperature[piece]
+        window = _Window(*fixed_shape_group(
+            part, static, _rows_of(group.alpha, piece), _rows_of(group.lam, piece),
+            _rows_of(group.size, piece), logits, part_scale))
+        keep = window.valid
+        if window.needs is not None and bool(window.needs.any()):  # (a sync per chunk)
+            redo = window.needs.nonzero().squeeze(-1)
+            exact_rows += redo.numel()
+            done = torch.zeros_like(keep)
+            part_k = window.k.clone()
+            decode_exact(part, part_k, part, _exact_inputs(group, part.device, piece),
+                         logits=logits, scale=part_scale, rows=redo, done=done)
+            keep = keep & ~done
+            window = window._replace(k=torch.where(done, part_k, window.k))
+        _write_window(part, window, keep, logits, part_temperature)
+        k[piece] = window.k
+    return _Pass(group, group.rows, source, scale, temperature, k, written=True,
+                 exact_rows=exact_rows)
+
+
+def _rows_of(value, piece: slice):
+    return value[piece] if isinstance(value, Tensor) else value
+
+
+# ----------------------------------------------------------------------------- 2. exact path
+
+
+def _exact(p: _Pass, out: Tensor | None, logits: bool, any_flagged: bool) -> None:
+    """Step 2 for one pass: its uncertified rows (after the sync), or every row of an
+    exact-family group, through the exact path, from the pass's scores (still as given) into
+    the pass's output rows."""
+    exact_family = isinstance(p.owner, Group) and p.owner.family == Family.EXACT
+    flagged = p.window is not None and p.window.needs is not None and any_flagged
+    if not (exact_family or flagged):
+        return
+    target = out if p.rows is None else p.source
+    p.done = torch.zeros(p.k.shape[0], dtype=torch.bool, device=p.k.device)
+    if exact_family:
+        decode_exact(target, p.k, p.source, _exact_inputs(p.owner, p.source.device),
+                     logits=logits, scale=p.scale, done=p.done)
+        return
+    groups = [(p.owner, None)] if isinstance(p.owner, Group) else \
+        [(group, where) for group, where in zip(p.owner.groups, p.owner.positions, strict=True)
+         if _may_flag(_Static.of(group))]
+    k = p.k.clone()
+    try:
+        for group, where in groups:
+            needs = p.window.needs if where is None else p.window.needs.index_select(0, where)
+            redo = needs.nonzero().squeeze(-1)
+            if redo.numel() == 0:
+                continue
+            if where is not None:  # positions in the joint pass, in order (`decode_exact`)
+                redo = torch.sort(where.index_select(0, redo)).values
+            past = p.window.past
+            low = None if past is None else torch.where(past, group.width, 1)
+            # Uncertified rows are distributions (``needs`` excludes the others).
+            decode_exact(target, k, p.source,
+                         _exact_inputs(group, p.source.device, where=where, total=k.shape[0]),
+                         logits=logits, scale=p.scale, rows=redo, low=low, done=p.done)
+    finally:
+        p.k = torch.where(p.done, k, p.k)
+
+
+def _exact_inputs(group: Group, device: torch.device, piece: slice | None = None,
+                  where: Tensor | None = None, total: int = 0):
+    """The group's parameters for the exact path, one per row of the group (or of its rows
+    ``piece``), or (``where``) spread over ``total`` rows of which ``where`` are the group's
+    (the others get the group's first values and are never decoded)."""
+    def per_row(name: str, dtype: torch.dtype) -> Tensor:
+        values = torch.tensor(group.host[name], dtype=dtype, device=device)
+        if values.numel() == 1:  # shared by the whole group
+            values = values.expand(group.count)
+        if piece is not None:
+            values = values[piece]
+        if where is not None:
+            values = values[:1].expand(total).clone().index_copy_(0, where, values)
+        return values
+
+    alpha = per_row("alpha", torch.float64)
+    lam = per_row("lam", torch.float64)
+    size = per_row("size", torch.long)
+    cap = per_row("cap", torch.long)
+    fixed = size if group.fixed else torch.zeros_like(size)
+    return exact_plan(group.mode, alpha, lam, fixed, cap, group.generator,
+                      None if group.generator is not None else group.family)
+
+
+def _unfinished(p: _Pass) -> int:
+    """Rows of a pass the exact path should have decoded and did not (after a failure)."""
+    if p.done is None:
+        return 0
+    if isinstance(p.owner, Group) and p.owner.family == Family.EXACT:
+        return int(((p.k == 0) & ~p.done).sum())
+    return int((p.window.needs & ~p.done).sum())
+
+
+# ----------------------------------------------------------------------------- 3. write
+
+
+def _finish(p: _Pass, out: Tensor | None, scores: Tensor, logits: bool) -> Tensor:
+    """Step 3 for one pass: write its rows (the fixed answer where the exact path did not
+    replace it) into ``out``, or into the gathered rows, then copied into ``out``; ``out``
+    None: made here from the scores (one read, one write)."""
+    exact_family = isinstance(p.owner, Group) and p.owner.family == Family.EXACT
+    target = p.source if p.rows is not None else out
+    if p.written:  # a chunked pass wrote ``p.source`` itself
+        if p.rows is None:
+            if out is None:
+                return p.source
+            if out is not p.source:
+                out.copy_(p.source)
+            return out
+    elif exact_family:
+        pass  # the exact path wrote ``target``
+    elif p.window is not None:
+        keep = p.window.valid if p.done is None else p.window.valid & ~p.done
+        written = _write_window(target, p.window, keep, logits, p.temperature,
+                                source=scores if target is None else None)
+        if target is None:
+            out = written
+    elif p.shift is not None:  # keep all, logits: log q = T (scale * logits - log-normalizer)
+        shift = p.shift.unsqueeze(-1).to(scores.dtype)
+        if target is None:
+            out = scores - shift
+        else:
+            target.sub_(shift)
+    else:  # keep all, probabilities
+        normalized, p.k = _keep_all(p.source)
+        if target is None:
+            out = normalized
+        else:
+            target.copy_(normalized)
+    if p.rows is not None:
+        out.index_copy_(0, p.rows, p.source)
+    return out
+
+
+def _write_window(target: Tensor | None, window: _Window, keep: Tensor, logits: bool,
+                  temperature: Tensor | None, source: Tensor | None = None) -> Tensor:
+    dtype = (target if target is not None else source).dtype
+    values = output_values(window.log_q, logits, dtype, temperature)
+    return write_support(target, window.index, values, -math.inf if logits else 0.0,
+                         keep=keep, source=source)
+
+
+def _keep_all(p2: Tensor) -> tuple[Tensor, Tensor]:
+    """Probabilities, lambda -> 0 without a cap: k* is the whole support, renormalized.
+
+    One pass in the input dtype (the float32 sum is a cascade: relative error ~1e-7, and never
+    below the largest entry, so every quotient is in [0, 1]); rows that are not distributions
+    are returned unchanged with k = 0. k counts the nonzero entries of the output.
+    """
+    normalized = p2.clamp_min(0)
+    total = normalized.sum(-1, keepdim=True)
+    usable = torch.isfinite(total) & (total > 0)
+    normalized.div_(torch.where(usable, total, 1.0))
+    # sign() sums exactly in float (counts < 2^24); bool reductions are 10x slower on CPU.
+    support = torch.where(usable.squeeze(-1), normalized.sign().sum(-1), 0.0).long()
+    if not bool(usable.all()):
+        normalized = torch.where(usable, normalized, p2)
+    return normalized, support
+
+
+# ----------------------------------------------------------------------------- compilation
+#
+# Compiled (``BREGMAN_COMPILE``), a window pass of up to `WIDE_WINDOW` candidates is one graph
+# per window class (`WINDOW`, `WIDE_WINDOW`) that decodes rows of every family at once
+# (`universal_pass`): the families are per-row values, not part of the graph, so the graphs of
+# an engine are known before any request arrives. `warm_up` compiles them on dummy rows (batch
+# sizes 1 and 2, the batch dimension dynamic) when the processor is built; a step only runs
+# graphs compiled before it, under ``fail_on_recompile``, and runs eagerly otherwise.
+
+#: (family, fixed, window) decoded by the compiled pass of each window class: every family;
+#: the iterative ones search `WINDOW` sizes (as eagerly), the closed forms the whole class.
+_VARIANTS: dict[int, tuple[tuple[Family, bool, int], ...]] = {
+    width: ((Family.KL, False, width), (Family.THREE_HALVES, False, width),
+            (Family.SQUARE, False, width), (Family.POWER, False, WINDOW),
+            (Family.DUAL_THREE_HALVES, False, WINDOW), (Family.DUAL_THREE, False, WINDOW),
+            (Family.KL, True, width), (Family.THREE_HALVES, True, width),
+            (Family.SQUARE, True, width), (Family.WATER, True, width),
+            (Family.ARGMAX, True, width), (Family.POWER, True, width),
+            (Family.DUAL_THREE_HALVES, True, width), (Family.DUAL_THREE, True, width))
+    for width in (WINDOW, WIDE_WINDOW)
+}
+#: Newton iterations of the compiled pass: each family's largest (`families.newton_iterations`).
+_COMPILED_ITERATIONS = {Family.POWER: 10, Family.DUAL_THREE_HALVES: 5, Family.DUAL_THREE: 7}
+#: An alpha in `families.POWER_RANGE` for the rows of other families (their POWER lanes are
+#: computed and discarded).
+_SAFE_ALPHA = 3.0
+_CODES = {family: code for code, family in enumerate(Family)}
+
+
+def universal_pass(rows: Tensor, width: int, logits: bool, scale: Tensor, family: Tensor,
+                   fixed: Tensor, alpha: Tensor, lam: Tensor, size: Tensor, flags: Tensor):
+    """Step 1 for rows of any families of one window class, as one fixed-shape computation: one
+    candidate set, every family's support and map on every row (`_support_and_map`; the
+    families' own results are selected per row by ``family`` (codes of `Family`) and ``fixed``),
+    certificates where ``flags`` says the row's group may be uncertified (`_may_flag`). Per-row
+    tensors only, so neither batch sizes nor parameter values are part of the graph. Returns
+    the fields of `_Window`."""
+    cand = candidates(rows, width, logits=logits, scale=scale)
+    n = rows.shape[0]
+    log_q = cand.x.new_full((n, width), -math.inf)
+    k = torch.zeros(n, dtype=torch.long, device=rows.device)
+    needs = torch.zeros(n, dtype=torch.bool, device=rows.device)
+    past = torch.zeros(n, dtype=torch.bool, device=rows.device)
+    narrow = cut(cand, WINDOW)
+    for member, is_fixed, window in _VARIANTS[width]:
+        chosen = (family == _CODES[member]) & (fixed == is_fixed)
+        static = _Static(member, is_fixed, True, False, window,
+                         _COMPILED_ITERATIONS.get(member, 0), True, True)
+        a = torch.where(chosen, alpha, _SAFE_ALPHA) if member == Family.POWER else alpha
+        decoded = _support_and_map(narrow if window < width else cand, static, a, lam, size)
+        short = width - decoded.log_q.shape[-1]
+        member_log_q = decoded.log_q if short == 0 else \
+            torch.nn.functional.pad(decoded.log_q, (0, short), value=-math.inf)
+        log_q = torch.where(chosen.unsqueeze(-1), member_log_q, log_q)
+        k = torch.where(chosen, decoded.k, k)
+        if decoded.uncertain is not None:
+            needs = needs | (chosen & decoded.uncertain)
+        if decoded.past is not None:
+            past = past | (chosen & decoded.past)
+    return (cand.index, log_q, k * cand.valid, cand.valid, needs & flags & cand.valid, past)
+
+
+def _universal_entry(rows, scale, family, fixed, alpha, lam, size, flags):
+    return universal_pass(rows, WIDTH, LOGITS, scale, family, fixed, alpha,  # noqa: F821
+                          lam, size, flags)
+
+
+_GRAPHS: dict[tuple, object] = {}  # (device type, dtype, vocab, width, logits) -> a pass
+_KERNELS: dict[tuple, int] = {}  # kernels one call of a graph launches (read at warm-up)
+_COMPILES = [0]  # graphs compiled by this process
+_WARNED: set[str] = set()
 
 
 def compile_enabled(device: torch.device) -> bool:
-    """``BREGMAN_COMPILE``: "1" compiles the fixed-shape groups with torch.compile (fullgraph)
-    everywhere, "auto" on CUDA only, "0" (the default) never.
-
-    Off by default: a group is compiled at its first use, inside a decoding step (about 10 s
-    per family on a CPU), so every request on the engine would wait for it, and the compiled
-    path has not yet been measured on a GPU (`benchmarks/bench_core.py --compile 1`)."""
-    return _compile_choice(os.environ.get("BREGMAN_COMPILE", "0"), device.type)
+    """``BREGMAN_COMPILE``: "auto" (the default) compiles the window passes on CUDA and runs
+    them eagerly elsewhere (on this project's 2-core CPU the compiled pass is not faster:
+    `benchmarks/bench_core.py --compile both`); "1" compiles everywhere, "0" never."""
+    return _compile_choice(os.environ.get("BREGMAN_COMPILE", "auto"), device.type)
 
 
 @functools.lru_cache(maxsize=16)
 def _compile_choice(setting: str, device_type: str) -> bool:
-    # Parsed once per (setting, device): the step asks at every group of every call.
+    # Parsed once per (setting, device): the step asks at every pass of every call.
     setting = setting.strip().lower()
     if setting in ("1", "true", "yes", "on"):
         return True
@@ -380,144 +612,188 @@ def _compile_choice(setting: str, device_type: str) -> bool:
     return device_type == "cuda"
 
 
-def _group_entry(rows: Tensor, alpha, lam, size, logits: bool, writable: bool):
-    return fixed_shape_group(rows, STATIC, alpha, lam, size, logits, writable)  # noqa: F821
+def compile_count() -> int:
+    """Graphs this process has compiled (warm-ups and any recompilation)."""
+    return _COMPILES[0]
 
 
-def _joint_entry(rows: Tensor, positions, alphas, lams, sizes, logits: bool, writable: bool):
-    return joint_groups(rows, STATIC, positions, alphas, lams, sizes, logits,  # noqa: F821
-                        writable)
+def _backend(graph, example_inputs):
+    """Inductor, counted (`compile_count`)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    _COMPILES[0] += 1
+    return compile_fx(graph, example_inputs)
 
 
-def compiled_group(static: _Static | _JointStatic):
-    """`fixed_shape_group` for one group shape (or `joint_groups` for one joint shape) under
-    torch.compile (fullgraph), made on first use (about 10 s per family on a CPU).
-
-    Each shape gets a function of its own (its own code object, with ``static`` a constant of
-    its globals), so torch.compile's caches of two families never meet: the graph is
-    specialized on the shape, while batch sizes and parameter values stay graph inputs (no
-    recompile per value).
-    """
-    compiled = _COMPILED.get(static)
-    if compiled is None:
-        if isinstance(static, _JointStatic):
-            kind, code = "joint", _joint_entry.__code__
-        else:
-            kind, code = static.family.value, _group_entry.__code__
-        name = f"bregman_{kind}_group_{len(_COMPILED)}"
-        entry = types.FunctionType(code.replace(co_name=name),
-                                   {**globals(), "STATIC": static}, name)
-        compiled = _COMPILED[static] = torch.compile(entry, fullgraph=True)
-    return compiled
+def _warn_once(kind: str, message: str) -> None:
+    if kind not in _WARNED:
+        _WARNED.add(kind)
+        logger.warning(message, exc_info=True)
 
 
-def _fast(rows: Tensor, static: _Static, alpha, lam, size, logits: bool, writable: bool
-          ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
-    if compile_enabled(rows.device) and not _COMPILED.get("failed"):
+def warm_up(device: torch.device | str, vocab: int, *, dtype: torch.dtype = torch.float32,
+            logits: bool = True, widths: tuple[int, ...] = (WINDOW, WIDE_WINDOW)) -> bool:
+    """Compile the window classes' passes for scores of ``vocab`` entries now, on dummy rows
+    (batch sizes 1 and 2, the batch dimension dynamic), so that no decoding step compiles.
+    Returns False when compilation failed (one warning; the step then runs eagerly)."""
+    device = torch.device(device)
+    for width in widths:
+        key = (device.type, dtype, vocab, width, logits)
+        if key in _GRAPHS or _GRAPHS.get("failed"):
+            continue
+        entry = types.FunctionType(
+            _universal_entry.__code__.replace(co_name=f"bregman_window_{width}"),
+            {**globals(), "WIDTH": width, "LOGITS": logits}, f"bregman_window_{width}")
+        graph = torch.compile(entry, fullgraph=True, backend=_backend)
         try:
-            return compiled_group(static)(rows, alpha, lam, size, logits, writable)
-        except Exception:  # a compiler that cannot handle this device: stay eager for good
-            logger.warning("torch.compile of the Bregman step failed; running it eagerly",
-                           exc_info=True)
-            _COMPILED["failed"] = True
-    return fixed_shape_group(rows, static, alpha, lam, size, logits, writable)
+            sources: list[str] = []
+            with _generated_code(sources):
+                for n in (2, 1):  # (sizes 0 and 1 are specialized: 1 has a graph of its own)
+                    inputs = _dummy(n, vocab, device, dtype, logits)
+                    if n > 1:
+                        for tensor in inputs:
+                            torch._dynamo.mark_dynamic(tensor, 0)
+                    graph(*inputs)
+            kernels = count_kernels(sources[:1])
+        except Exception:  # a compiler that cannot handle this device: eager for good
+            _GRAPHS["failed"] = True
+            _warn_once("compile", "torch.compile of the Bregman step failed; it runs eagerly")
+            return False
+        _GRAPHS[key] = graph
+        _KERNELS[key] = kernels
+    return not _GRAPHS.get("failed")
 
 
-# ----------------------------------------------------------------------------- exact path
+@contextlib.contextmanager
+def _generated_code(sources: list[str]):
+    """Collect the wrapper code inductor generates meanwhile (as `torch._inductor.utils.
+    run_and_get_code` does, without resetting dynamo's caches)."""
+    try:
+        from torch._inductor.graph import GraphLowering
+    except ImportError:  # pragma: no cover - no inductor: nothing to count
+        yield
+        return
+    original = GraphLowering.save_output_code
+
+    def save(code: str) -> None:
+        sources.append(code)
+        if callable(original):
+            original(code)
+
+    GraphLowering.save_output_code = staticmethod(save)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        GraphLowering.save_output_code = original  # type: ignore[method-assign]
 
 
-def _exact_inputs(group: Group, device: torch.device, where: Tensor | None = None,
-                  total_rows: int = 0):
-    """The group's parameters for the exact path, one per row of the group, or (``where``)
-    spread over ``total_rows`` rows of which ``where`` are the group's (the others get the
-    group's first values and are never decoded)."""
-    def per_row(name: str, dtype: torch.dtype) -> Tensor:
-        values = torch.tensor(group.host[name], dtype=dtype, device=device)
-        if values.numel() == 1:  # shared by the whole group
-            values = values.expand(group.count)
-        if where is not None:
-            values = values[:1].expand(total_rows).clone().index_copy_(0, where, values)
-        return values
+def count_kernels(sources: list[str]) -> int:
+    """Kernels one call of compiled code launches, read off the wrapper code inductor
+    generated: its kernels (C++ on CPU, Triton on GPU) and the ops it leaves to ATen or a
+    library (``extern_kernels``, ``torch.ops.aten``)."""
+    import re
 
-    alpha = per_row("alpha", torch.float64)
-    lam = per_row("lam", torch.float64)
-    size = per_row("size", torch.long)
-    cap = per_row("cap", torch.long)
-    fixed = size if group.fixed else torch.zeros_like(size)
-    return exact_plan(group.mode, alpha, lam, fixed, cap, group.generator)
-
-
-def _writer(logits: bool, dtype: torch.dtype):
-    if logits:
-        return lambda log_q: log_q.to(dtype)
-    return lambda log_q: torch.exp(log_q).to(dtype)
+    launches = 0
+    for source in sources:
+        if "def call(" not in source:
+            continue
+        for line in source[source.index("def call("):].splitlines():
+            text = line.strip()
+            if text.startswith(("#", "assert_")) or not text:
+                continue
+            if re.search(r"\bcpp_fused_\w+\(|\btriton_\w+\.run\(|\bextern_kernels\.\w+\(|"
+                         r"\btorch\.ops\.aten\.\w+", text):
+                launches += 1
+    return launches
 
 
-def _exact_rows(rows: Tensor, p: Tensor, group: Group, logits: bool) -> _Result:
-    """EXACT-family rows: the whole group through the exact path."""
-    out, k = _filled(rows, p, logits)
-    decode_exact(out, k, p, _exact_inputs(group, rows.device), _writer(logits, rows.dtype))
-    return _Result(out, k, None, None)
+def _dummy(n: int, vocab: int, device: torch.device, dtype: torch.dtype, logits: bool
+           ) -> tuple[Tensor, ...]:
+    g = torch.Generator().manual_seed(n)
+    rows = (torch.randn(n, vocab, generator=g) * 4).to(device, dtype)
+    if not logits:
+        rows = torch.softmax(rows.float(), -1).to(dtype)
+    long = dict(dtype=torch.long, device=device)
+    return (rows, torch.ones(n, device=device), torch.zeros(n, **long),
+            torch.zeros(n, dtype=torch.bool, device=device),
+            torch.full((n,), 1.5, dtype=torch.float64, device=device),
+            torch.full((n,), 0.01, dtype=torch.float64, device=device),
+            torch.full((n,), UNBOUNDED, **long), torch.ones(n, dtype=torch.bool, device=device))
 
 
-def _filled(rows: Tensor, p: Tensor, logits: bool) -> tuple[Tensor, Tensor]:
-    """Output rows pre-filled off the support; rows that are not distributions kept as given."""
-    total = p.sum(-1, dtype=torch.float64)
-    valid = (total > 0) & (total < math.inf)
-    out = torch.where(valid.unsqueeze(-1), -math.inf if logits else 0.0, rows)
-    return out, torch.zeros(rows.shape[0], dtype=torch.long, device=rows.device)
+def _graphs_ready(scores: Tensor, logits: bool) -> bool:
+    """Whether this step's window passes run compiled (then one joint pass takes every window
+    group: `plan.Plan.passes`)."""
+    return compile_enabled(scores.device) and \
+        (scores.device.type, scores.dtype, scores.shape[-1], WIDE_WINDOW, logits) in _GRAPHS
 
 
-def _redo_uncertified(result: _Result, group: Group, logits: bool,
-                      where: Tensor | None = None) -> _Result:
-    """Decode the group's uncertified rows again with the exact path (after the sync), in
-    place: their window answer is cleared and the exact supports written over it. Rows the
-    window showed to need more sizes than it has skip the exact path's first round.
-    ``where``: the group's rows within ``result`` when it holds a joint pass (None: all)."""
-    if result.needs is None:
-        return result
-    needs = result.needs if where is None else result.needs.index_select(0, where)
-    redo = needs.nonzero().squeeze(-1)
-    if redo.numel() == 0:
-        return result
-    n = result.out.shape[0]
-    if where is not None:  # positions in the joint result, in order (`exact.decode_exact`)
-        redo = torch.sort(where.index_select(0, redo)).values
-    low = None if result.past is None else torch.where(result.past, group.window, 1)
-    # Uncertified rows are distributions (``needs`` excludes the others): cleared off the
-    # support as the exact path writes them. No row is gathered: the exact path reads and
-    # writes the rows ``redo`` in place.
-    decode_exact(result.out, result.k, result.p,
-                 _exact_inputs(group, result.p.device, where, n),
-                 _writer(logits, result.out.dtype), rows=redo, low=low,
-                 clear=-math.inf if logits else 0.0)
-    return result
+def _compiled_window(owner: Group | Joint, rows: Tensor, logits: bool, scale: Tensor | None
+                     ) -> _Window | None:
+    """The pass through its window class's compiled graph, if one was compiled before this
+    step (never compiles here: a recompilation raises and the pass runs eagerly)."""
+    width = owner.width
+    if width > WIDE_WINDOW or not compile_enabled(rows.device):
+        return None
+    key = (rows.device.type, rows.dtype, rows.shape[-1],
+           WINDOW if width <= WINDOW else WIDE_WINDOW, logits)
+    graph = _GRAPHS.get(key)
+    if graph is None:
+        return None
+    values = _rowwise(owner, rows.device)
+    if scale is None:
+        scale = values[-1]
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return _Window(*graph(rows, scale, *values[:-1]))
+    except Exception:
+        _warn_once("recompile", "a compiled Bregman pass would have recompiled inside a "
+                   "decoding step; that pass runs eagerly")
+        return None
 
 
-# ----------------------------------------------------------------------------- keep all
+def _rowwise(owner: Group | Joint, device: torch.device) -> tuple[Tensor, ...]:
+    """Per-row family code, fixed flag, alpha, lambda, size, may-flag and a unit scale of a
+    pass's rows, for `universal_pass`: made once per plan."""
+    cached = owner.derived.get("rowwise")
+    if cached is not None:
+        return cached
+    pairs = [(owner, None)] if isinstance(owner, Group) else \
+        list(zip(owner.groups, owner.positions, strict=True))
+    n = sum(group.count for group, _ in pairs)
+    columns = [torch.empty(n, dtype=dtype, device=device)
+               for dtype in (torch.long, torch.bool, torch.float64, torch.float64, torch.long,
+                             torch.bool)]
+    for group, where in pairs:
+        flag = _may_flag(_Static.of(group))
+        values = (_CODES[group.family], group.fixed, group.alpha, group.lam, group.size, flag)
+        for column, value in zip(columns, values, strict=True):
+            value = torch.as_tensor(value, dtype=column.dtype, device=device).expand(
+                group.count)
+            if where is None:
+                column.copy_(value)
+            else:
+                column.index_copy_(0, where, value)
+    cached = owner.derived["rowwise"] = (*columns, torch.ones(n, device=device))
+    return cached
 
 
-def _keep_all_logits(rows: Tensor) -> tuple[Tensor, Tensor]:
-    """lambda = 0 without a cap: the whole support, renormalized (log_softmax); rows that are
-    not distributions come back unchanged with k = 0."""
-    total = torch.logsumexp(rows, -1, keepdim=True)
-    usable = torch.isfinite(total)
-    out = torch.where(usable, rows - total, rows)
-    # Count the entries whose probability is nonzero in the score dtype (as a softmax gives).
-    support = torch.where(usable.squeeze(-1), torch.softmax(rows, -1).sign().sum(-1), 0.0)
-    return out, support.long()
-
-
-#: Peak bytes per (row, candidate) of a fixed-k group (measured: 59 for dual 3/2, k = 20000).
-_WIDE_BYTES_PER_ENTRY = 96
+def _fast(rows: Tensor, static: _Static, alpha, lam, size, logits: bool,
+          scale: Tensor | None, owner: Group | None = None) -> _Window:
+    if owner is not None:
+        compiled = _compiled_window(owner, rows, logits, scale)
+        if compiled is not None:
+            return compiled
+    return _Window(*fixed_shape_group(rows, static, alpha, lam, size, logits, scale))
 
 
 def step_memory_bound(batch: int, vocab: int, dtype: torch.dtype = torch.float32) -> int:
     """Upper bound, in bytes, of the extra memory one `decode_step` allocates for ``batch``
     rows of ``vocab`` scores, whatever the parameters (the output itself not counted):
 
-    * three [batch, vocab] tensors of the score dtype: the probabilities, a gathered copy of
-      a group's rows and its decoded rows (the output of the public API);
+    * three [batch, vocab] tensors of the score dtype: a gathered copy of a pass's rows, the
+      temporary of a log-sum-exp (inside the op, in eager mode) and the exact path's copy of
+      its rows (or a keep-all pass's count);
     * per row, the candidate arrays of the window (the W * BLOCK gathered entries and a few
       float64 [W] arrays) and the iterative families' float64 [K, K] Newton arrays (K <= W);
     * `exact.MEMORY_BUDGET` for what runs in row chunks: the exact path (uncertified rows) and
@@ -528,3 +804,6 @@ def step_memory_bound(batch: int, vocab: int, dtype: torch.dtype = torch.float32
     candidate = batch * (WIDE_WINDOW * 64 * item + 16 * WIDE_WINDOW * 8)
     newton = batch * 8 * WINDOW * WINDOW * 8
     return full + candidate + newton + MEMORY_BUDGET
+
+
+__all__ = ["UNBOUNDED", "StepResult", "decode_step", "step_memory_bound"]

@@ -43,6 +43,7 @@ from typing import NamedTuple
 import torch
 
 from .candidates import Candidates, _arange
+from .dual import quadratic_root
 from .families import Family
 from .gaps import closed_form_gaps
 from .primal import (
@@ -63,15 +64,18 @@ MARGIN = 1e-12
 
 
 class Decoded(NamedTuple):
-    """k* per row, log T_k* on the first W' candidates (-inf past k*), which rows are not
-    certified (None: every row is certified by construction), and for those a lower bound on
+    """The result of a support search (this window's, or a candidate round of the exact path,
+    `exact`): k* per row, log T_k* on the first W' candidates (-inf past k*), which rows are
+    not certified (None: every row is certified by construction), for those a lower bound on
     k* that the window did certify (``past``: the row needs sizes past the window only, every
-    G(k) of the window being clearly above lambda; None: no such row)."""
+    G(k) of the window being clearly above lambda; None: no such row), and which rows have
+    their log T_k* computed (``computed``; None: every row)."""
 
     k: Tensor
     log_q: Tensor
     uncertain: Tensor | None
     past: Tensor | None = None
+    computed: Tensor | None = None
 
 
 def column(value: Scalar, dims: int = 1) -> Scalar:
@@ -117,7 +121,7 @@ def closed_gaps(family: Family, x: Tensor, deficit: Tensor) -> Tensor:
 def closed_map(family: Family, cand: Candidates, k: Tensor, width: int) -> Tensor:
     """log T_k on the first ``width`` candidates for the closed-form families: the maps of
     `primal` (eq. (1) and Proposition 4.1), applied to the candidates."""
-    log_x = torch.log(cand.x[:, :width])
+    log_x = cand.log_x[:, :width]
     inside = _arange(width, log_x.device) < k.unsqueeze(-1)
     log_deficit = torch.log(torch.gather(cand.deficit, 1, (k - 1).unsqueeze(-1)).squeeze(-1))
     if family == Family.KL:
@@ -219,13 +223,14 @@ def power_solve(x: Tensor, deficit: Tensor, sizes: Tensor, mask: Tensor, alpha: 
     return Solved(s, h, residual, factor)
 
 
-def dual_quadratic_solve(x: Tensor, deficit: Tensor, sizes: Tensor, mask: Tensor, alpha: float,
-                         iterations: int) -> Solved:
-    """Dual T*_k for alpha in {3/2, 3}, where the inner equation of eq. (5),
-    q^(alpha-2) (q - p) = nu, is a quadratic (Algorithm 1 needs no inner loop):
+def dual_quadratic_solve(family: Family, x: Tensor, deficit: Tensor, sizes: Tensor,
+                         mask: Tensor, iterations: int) -> Solved:
+    """Dual T*_k for alpha in {3/2, 3} (``family``), where the inner equation of eq. (5),
+    q^(alpha-2) (q - p) = nu, is a quadratic (`dual.quadratic_root`; Algorithm 1 needs no
+    inner loop):
 
-        alpha = 3/2:  sqrt(q) = (nu + sqrt(nu^2 + 4 p)) / 2   (F convex in nu)
-        alpha = 3:    q = (p + sqrt(p^2 + 4 nu)) / 2          (F concave in nu)
+        alpha = 3/2:  sqrt(q) = (nu + R) / 2   (F convex in nu)
+        alpha = 3:    q = (p + R) / 2          (F concave in nu)
 
     Newton on F(nu) = sum_i q_i(nu) - 1 from a start on the side that makes it monotone:
     alpha = 3/2 from nu = R / sum_i (p_i + R/k)^(1/2) (the alpha = 2 solution; F is convex, so
@@ -234,22 +239,21 @@ def dual_quadratic_solve(x: Tensor, deficit: Tensor, sizes: Tensor, mask: Tensor
     H(k) = alpha nu - sum_i q_i^alpha.
     """
     xs = _nonzero(x).unsqueeze(1)  # [n, 1, W']
-    if alpha == 1.5:
-        four_p = 4.0 * xs
+    if family == Family.DUAL_THREE_HALVES:
+        two_sqrt_p = 2.0 * torch.sqrt(xs)
         nu = deficit / _masked_sum(torch.sqrt(xs + (deficit / sizes).unsqueeze(-1)), mask)
         for _ in range(iterations):
-            root = torch.sqrt(four_p + (nu * nu).unsqueeze(-1))
+            root = quadratic_root(family, xs, nu.unsqueeze(-1), two_sqrt_p)
             h = (nu.unsqueeze(-1) + root) * mask  # 2 sqrt(q) on the support
             q4 = h * h  # 4 q
             # dF/dnu = sum_i 2 q_i / root_i
             nu = torch.addcdiv(nu, q4.sum(-1) - 4.0, (q4 / root).sum(-1), value=-0.5)
-        root = torch.sqrt(four_p + (nu * nu).unsqueeze(-1))
+        root = quadratic_root(family, xs, nu.unsqueeze(-1), two_sqrt_p)
         h = (nu.unsqueeze(-1) + root) * mask
         q4 = h * h
         residual = q4.sum(-1) * 0.25 - 1.0
         # q^(3/2) = (h / 2)^3 = q4 h / 8
         return Solved(q4, torch.add(nu, (q4 * h).sum(-1), alpha=-1.0 / 12.0), residual, 0.5)
-    square = xs * xs
     inverse_sums = torch.cumsum(torch.reciprocal(x), -1)
     if sizes.dim() == 1:  # every size of the window
         inverse_sums = inverse_sums[:, : sizes.shape[0]]
@@ -257,15 +261,15 @@ def dual_quadratic_solve(x: Tensor, deficit: Tensor, sizes: Tensor, mask: Tensor
         inverse_sums = torch.gather(inverse_sums, 1, sizes.long() - 1)
     nu = torch.maximum((deficit / sizes) ** 2, deficit / inverse_sums)
     for _ in range(iterations):
-        root = torch.sqrt(square + 4.0 * nu.unsqueeze(-1))
+        root = quadratic_root(family, xs, nu.unsqueeze(-1))
         q2 = (xs + root) * mask  # 2 q
         # dF/dnu = sum_i 1 / root_i
         nu = torch.addcdiv(nu, q2.sum(-1) - 2.0, _masked_sum(torch.reciprocal(root), mask),
                            value=-0.5)
-        # nu = q (q - p) >= 0; a rounding overshoot below 0 (no deficit) would make
-        # p^2 + 4 nu negative for entries below 1e-154 and their root NaN.
+        # nu = q (q - p) >= 0; a rounding overshoot below 0 (no deficit) would make the
+        # square root of nu NaN.
         nu = nu.clamp_min(0.0)
-    root = torch.sqrt(square + 4.0 * nu.unsqueeze(-1))
+    root = quadratic_root(family, xs, nu.unsqueeze(-1))
     q2 = (xs + root) * mask
     residual = q2.sum(-1) * 0.5 - 1.0
     return Solved(q2, torch.add(nu, (q2**3).sum(-1), alpha=-1.0 / 24.0), residual, 2.0)
@@ -277,8 +281,7 @@ def _solve(family: Family, cand: Candidates, deficit: Tensor, sizes: Tensor, mas
     x = cand.x[:, :width]
     if family == Family.POWER:
         return power_solve(x, deficit, sizes, mask, alpha, iterations, below_two, above_two)
-    return dual_quadratic_solve(x, deficit, sizes, mask,
-                                1.5 if family == Family.DUAL_THREE_HALVES else 3.0, iterations)
+    return dual_quadratic_solve(family, x, deficit, sizes, mask, iterations)
 
 
 def iterative_search(family: Family, cand: Candidates, alpha: Scalar, lam: Scalar,
