@@ -218,7 +218,9 @@ def test_streaming_through_the_router(deployment: Deployment) -> None:
     chunks = list(client.completions.create(**kwargs, extra_body=extra, stream=True,
                                             stream_options={"include_usage": True}))
     texts = [chunk.choices[0].text for chunk in chunks if chunk.choices]
-    assert len(texts) >= 6, "chunk by chunk, not one buffered answer"
+    # Several chunks, not one buffered answer (vLLM merges the tokens a busy API server has not
+    # sent yet into one chunk, so the count varies with the machine's load).
+    assert len(texts) >= 2, "chunk by chunk, not one buffered answer"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     # Seeded: the same request, not streamed, says the same, on either replica.
@@ -267,16 +269,15 @@ def test_the_key_scheme_with_the_router(deployment: Deployment, tmp_path: Path) 
 
 def _stream(url: str, results: dict[int, Any], index: int) -> None:
     """A long streamed completion through ``url``: (status, its SSE lines, when it ended). Read
-    in bursts: a reader woken at every token would starve the test's other threads."""
+    in 64 KiB pieces (no sleeping in between: a reader that sleeps per event lags minutes
+    behind a stream of 16,000 events)."""
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "n": 8, "ignore_eos": True,
             "stream": True}
     chunks: list[bytes] = []
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, headers=AUTH,
                           timeout=300) as response:
-            for chunk in response.iter_bytes():
-                chunks.append(chunk)
-                time.sleep(0.05)
+            chunks.extend(response.iter_bytes(chunk_size=65536))
         lines = [line for line in b"".join(chunks).decode().splitlines() if line]
         results[index] = (response.status_code, lines, time.monotonic())
     except httpx.HTTPError as error:
@@ -303,21 +304,29 @@ def test_one_replica_stopped_every_later_request_answered(deployment: Deployment
                                                               len(streams))))
         streams[-1].start()
         time.sleep(0.2)
+    assert streams, "replica B had a request in flight before any stream"
     stopped.remember_descendants()
+    assert stopped.process is not None
+    exit_seen: list[float] = []
+    watcher = threading.Thread(target=lambda: (stopped.process.wait(),  # type: ignore[union-attr]
+                                               exit_seen.append(time.monotonic())))
     signalled = time.monotonic()
     os.killpg(os.getpgid(stopped.pid), signal.SIGTERM)
+    watcher.start()
 
     def one(i: int) -> int:
         return httpx.post(deployment.router.url + "/v1/completions", headers=AUTH, timeout=120,
                           json=sample(max_tokens=2, logprobs=None, bregman_top_k=2)).status_code
 
     statuses = [one(i) for i in range(20)]
-    for thread in streams:
+    for thread in [*streams, watcher]:
         thread.join(300)
-    assert stopped.process is not None
-    code = stopped.process.wait(120)
-    exited = time.monotonic() - signalled
+        assert not thread.is_alive(), "a stream or the stopped replica did not end in 300 s"
+    code = stopped.process.wait()
+    exited = exit_seen[0] - signalled
     left = stopped.leftovers()
+    # Every stream ended (one of them was on replica B when it got the signal).
+    assert sorted(results) == list(range(len(streams))), sorted(results)
     ends = []
     for status, lines, ended in results.values():
         assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
