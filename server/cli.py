@@ -1,14 +1,19 @@
 """``bregman-serve``: the command line (also ``python -m bregman_server.cli``).
 
-vLLM in this process (default)::
+::
 
     bregman-serve --model models/smollm2-135m-instruct [--port 8000] [any vLLM argument]
 
-runs vLLM's own OpenAI server in this process with the Bregman middleware: one process, one
-port (`bregman_server.engine`); replicas scale behind vLLM's router (deploy/README.md). Our own
-flags are parsed with ``parse_known_args`` (abbreviations off, so a vLLM flag is never mistaken
-for a prefix of ours); every other argument goes to vLLM's own parser unchanged, in order. Flags
-win over ``BREGMAN_*`` environment variables.
+runs vLLM's own OpenAI server with the Bregman middleware (`bregman_server.engine`): one port,
+several GPUs through vLLM's data parallelism, replicas behind vLLM's router (deploy/README.md).
+Our own flags are parsed with ``parse_known_args`` (abbreviations off, so a vLLM flag is never
+mistaken for a prefix of ours); every other argument goes to vLLM's own parser unchanged, in
+order. Flags win over ``BREGMAN_*`` environment variables.
+
+The server runs in a child process in a session of its own (`supervise`): a SIGTERM sent to
+bregman-serve's whole process group (``kill -- -PGID``, some supervisors) then reaches the server
+once, through this process, and never vLLM's engine processes, which keep serving until the
+drain ends. ``python -m bregman_server`` runs the server in the calling process instead.
 
 Exit status: 0 after SIGTERM / SIGINT, 2 for bad arguments, 1 if vLLM could not start, 3 if the
 vLLM engine died while serving.
@@ -17,8 +22,10 @@ vLLM engine died while serving.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
+import time
 import typing
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -105,18 +112,87 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerSettings, list[
     return settings, vllm_args
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def configure_logging(level: str) -> None:
+    """The server's own log (logger ``bregman_server``, on stderr) at ``level``.
+
+    A handler of its own, not the root logger's: a library vLLM imports while it builds its app
+    (model_hosting_container_standards) sets the root logger and its handlers to ERROR."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    server_logger = logging.getLogger("bregman_server")
+    server_logger.handlers[:] = [handler]
+    server_logger.setLevel(level.upper())
+    server_logger.propagate = False
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``bregman-serve``."""
+def run(argv: Sequence[str] | None = None) -> int:
+    """The server in this process (``python -m bregman_server``)."""
     settings, vllm_args = parse_args(argv)
-    _configure_logging(settings.log_level)
+    configure_logging(settings.log_level)
     from .engine import serve as serve_engine
 
     return serve_engine(settings, vllm_args)
+
+
+#: Seconds the processes the server leaves behind get to exit before they are killed.
+LEFTOVER_GRACE = 2.0
+#: prctl(2) options (Linux): the signal a process gets when its parent dies; adopting the
+#: orphans of one's descendants.
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def supervise(argv: Sequence[str]) -> int:
+    """Run ``python -m bregman_server ARGV`` in a new session and wait for it; its exit status.
+
+    SIGTERM and SIGINT are passed on to it (it drains). If this process dies, the server gets
+    SIGTERM (prctl's parent-death signal). The server's orphans are this process's children
+    (a subreaper): once the server has exited, they get `LEFTOVER_GRACE` seconds (e.g.
+    multiprocessing's resource tracker, which cleans up shared memory when its pipe closes),
+    then what is left of its session is killed, so nothing outlives bregman-serve.
+    """
+    import os
+    import signal
+    import subprocess
+
+    parent = os.getpid()
+    prctl = None
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+    def die_with_parent() -> None:  # in the child, between fork and exec
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # this process died before the line above
+            os._exit(1)
+
+    child = subprocess.Popen([sys.executable, "-m", "bregman_server", *argv],
+                             start_new_session=True, preexec_fn=die_with_parent)
+
+    def forward(signum: int, frame: object) -> None:
+        child.send_signal(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, forward)
+    code = child.wait()
+    deadline = time.monotonic() + LEFTOVER_GRACE
+    with contextlib.suppress(ChildProcessError):  # no child left: nothing to kill
+        while time.monotonic() < deadline:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                time.sleep(0.05)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)
+    return code if code >= 0 else 128 - code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``bregman-serve``: checks the arguments, then `supervise`."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    parse_args(arguments)  # exit status 2 here, before anything starts
+    return supervise(arguments)
 
 
 if __name__ == "__main__":

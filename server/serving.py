@@ -18,7 +18,9 @@ logger = logging.getLogger("bregman_server")
 
 
 def http_server(config: Any) -> Any:
-    """uvicorn's server without its own signal handlers (ours are on the event loop)."""
+    """uvicorn's server without its own signal handlers (ours are on the event loop), without
+    importing vLLM (the unit tests' server; `bregman_server.engine` runs vLLM's own
+    ``NoSignalServer``, which also spreads connections over several API server processes)."""
     import uvicorn
 
     class NoSignalServer(uvicorn.Server):

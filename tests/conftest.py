@@ -13,3 +13,9 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     figures = getattr(module, "FIGURES", None)
     if figures and figures["requests"]:
         terminalreporter.write_line(f"reliability figures: {json.dumps(figures)}")
+    # The router's and data parallelism's (tests/test_router.py, tests/test_data_parallel.py).
+    for name in ("router", "data_parallel"):
+        figures = getattr(sys.modules.get(f"tests.test_{name}"), "FIGURES", None)
+        if figures:
+            terminalreporter.write_line(f"{name.replace('_', ' ')} figures: "
+                                        f"{json.dumps(figures)}")

