@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 MODES: tuple[str, ...] = ("primal", "dual", "off")
@@ -60,13 +60,19 @@ class BregmanParamError(ValueError):
 
 @dataclass(frozen=True)
 class FieldSpec:
-    """Documentation of one request field: used for the OpenAPI schema and the README table."""
+    """Documentation of one request field: used for the OpenAPI schema and the README table.
+    ``schema``: the JSON schemas a sent value may have (the OpenAPI document adds null)."""
 
     name: str
     type: str
     allowed: str
     default: str
     description: str
+    schema: tuple[Mapping[str, Any], ...] = field(default=(), hash=False)
+    examples: tuple[Any, ...] = ()
+
+
+_SIZE_SCHEMA = ({"type": "integer", "minimum": 1, "maximum": 2**31 - 1},)
 
 
 FIELD_SPECS: tuple[FieldSpec, ...] = (
@@ -78,6 +84,7 @@ FIELD_SPECS: tuple[FieldSpec, ...] = (
         'default is "off"',
         "Which Bregman problem to solve: primal projection D(q, p), dual projection D(p, q), or "
         "'off' for plain sampling.",
+        ({"type": "string", "enum": list(MODES)},),
     ),
     FieldSpec(
         "bregman_alpha",
@@ -89,6 +96,8 @@ FIELD_SPECS: tuple[FieldSpec, ...] = (
         "Exponent of the generator phi(x) = x^alpha / (alpha (alpha - 1)). alpha = 1 is the KL "
         "divergence (standard top-k renormalization); larger alpha spreads the mass more evenly "
         "over the kept tokens (inf = water-filling); alpha < 1 concentrates it on the top tokens.",
+        ({"type": "number"}, {"type": "string", "enum": ["inf", "-inf"]}),
+        (1.5, 2, "inf"),
     ),
     FieldSpec(
         "bregman_lambda",
@@ -97,6 +106,8 @@ FIELD_SPECS: tuple[FieldSpec, ...] = (
         str(DEFAULT_LAMBDA),
         "Sparsity price per kept token. 0 keeps every token with nonzero probability; larger "
         "values keep fewer tokens. Ignored when bregman_top_k is set.",
+        ({"type": "number", "minimum": 0},),
+        (0.01,),
     ),
     FieldSpec(
         "bregman_top_k",
@@ -105,6 +116,8 @@ FIELD_SPECS: tuple[FieldSpec, ...] = (
         "absent (adaptive k*)",
         "Fixed support size: generalized top-k (keep the k most likely tokens, renormalize with "
         "the primal or dual alpha map) instead of the adaptive k*.",
+        _SIZE_SCHEMA,
+        (20,),
     ),
     FieldSpec(
         "bregman_k_max",
@@ -112,6 +125,8 @@ FIELD_SPECS: tuple[FieldSpec, ...] = (
         "integer >= 1",
         "absent (no cap)",
         "Upper bound on the support size k* (and on bregman_top_k).",
+        _SIZE_SCHEMA,
+        (100,),
     ),
 )
 
@@ -359,10 +374,6 @@ class BregmanParams:
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
-
-    def validated(self) -> BregmanParams:
-        """The parameters themselves: they were validated when made (kept for callers)."""
-        return self
 
     @classmethod
     def from_mapping(
