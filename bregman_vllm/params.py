@@ -22,6 +22,14 @@ within float32 resolution, while the powers in the cost leave float64's range.
 
 `lam` (lambda, the l0 price per kept token) is a finite number >= 0; `top_k` and `k_max` are
 integers >= 1 or absent. `k_max` caps the support size in both the adaptive and the fixed-k case.
+
+A new request field is written here and where it is used, nowhere in between: a `FieldSpec`
+(the OpenAPI schema and the docs/server.md table are generated from it), its key in
+`FIELD_KEYS`, and a `BregmanParams` attribute parsed in ``__post_init__``; the HTTP middleware
+and the vLLM processor pass every key of `REQUEST_KEYS` on, and the core receives the value per
+row by name (`bregman_vllm.core.plan.ROW_FIELDS`: ``Group.values``, ``ExactPlan.values``, the
+compiled pass's columns) in the function that reads it (for a bound on the support size,
+`bregman_vllm.core.window.support_range`, which both searches use).
 """
 
 from __future__ import annotations
@@ -39,14 +47,16 @@ DEFAULT_MODE = "primal"
 DEFAULT_ALPHA = 1.5
 DEFAULT_LAMBDA = 0.01
 
-#: The request keys (``SamplingParams.extra_args`` / ``vllm_xargs`` / HTTP body fields).
-REQUEST_KEYS: tuple[str, ...] = (
-    "bregman_mode",
-    "bregman_alpha",
-    "bregman_lambda",
-    "bregman_top_k",
-    "bregman_k_max",
-)
+#: The request key (``SamplingParams.extra_args`` / ``vllm_xargs`` / HTTP body field) of each
+#: `BregmanParams` field.
+FIELD_KEYS: dict[str, str] = {
+    "mode": "bregman_mode",
+    "alpha": "bregman_alpha",
+    "lam": "bregman_lambda",
+    "top_k": "bregman_top_k",
+    "k_max": "bregman_k_max",
+}
+REQUEST_KEYS: tuple[str, ...] = tuple(FIELD_KEYS.values())
 
 
 class BregmanParamError(ValueError):
@@ -391,28 +401,17 @@ class BregmanParams:
         if not present and defaults is None:
             return None
         base = defaults if defaults is not None else cls()
-        params = replace(
-            base,
-            mode=present.get("bregman_mode", _implied_mode(base.mode, present)),
-            alpha=present.get("bregman_alpha", base.alpha),
-            lam=present.get("bregman_lambda", base.lam),
-            top_k=present.get("bregman_top_k", base.top_k),
-            k_max=present.get("bregman_k_max", base.k_max),
-        )
-        return params
+        changes = {name: present[key] for name, key in FIELD_KEYS.items() if key in present}
+        changes.setdefault("mode", _implied_mode(base.mode, present))
+        return replace(base, **changes)
 
     def to_request(self) -> dict[str, Any]:
         """The ``bregman_*`` keys for ``vllm_xargs`` / ``SamplingParams.extra_args``.
 
         Infinite alpha is sent as the string "inf" / "-inf" (JSON has no infinity).
         """
-        alpha: float | str = self.alpha
+        out = {key: getattr(self, name) for name, key in FIELD_KEYS.items()
+               if getattr(self, name) is not None}
         if math.isinf(self.alpha):
-            alpha = "inf" if self.alpha > 0 else "-inf"
-        out: dict[str, Any] = {"bregman_mode": self.mode, "bregman_alpha": alpha,
-                               "bregman_lambda": self.lam}
-        if self.top_k is not None:
-            out["bregman_top_k"] = self.top_k
-        if self.k_max is not None:
-            out["bregman_k_max"] = self.k_max
+            out["bregman_alpha"] = "inf" if self.alpha > 0 else "-inf"
         return out
