@@ -46,7 +46,7 @@ from .generators import (
 )
 from .plan import DEFAULT_ROW_VALUES, ROW_FIELDS, make_plan, row_dtype, rows_family
 from .primal import closed_log_renorm, kl_log_renorm, newton_log_renorm, support_mask
-from .window import Decoded, closed_gaps, support_range
+from .window import Decoded, closed_sizes, support_range
 from .write import output_values, write_support
 
 Tensor = torch.Tensor
@@ -349,14 +349,8 @@ def _support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor)
             floor = torch.minimum(_floor_sizes(plan.mode, sub, a, lm), upper)
             raised = floor > lo
             lo = torch.maximum(lo, floor)
-        if closed:
-            gaps = closed_gaps(plan.family, sub.x, sub.deficit)
-            # Column j is k = j + 1; the last column (k = width) always stops.
-            gaps = torch.nn.functional.pad(gaps, (0, 1), value=-math.inf)
-            sizes = torch.arange(1, width + 1, device=gaps.device)
-            stop = (gaps <= lm.unsqueeze(-1)) | (sizes >= upper.unsqueeze(-1))
-            stop &= sizes >= lo.unsqueeze(-1)
-            found = torch.minimum(torch.where(stop, sizes, width).amin(-1), upper)
+        if closed:  # the window's search over this round's candidates
+            found = closed_sizes(plan.family, sub, lm, upper, width, lo)
         else:
             found, maps, have = _search(plan.family, plan.mode, sub, a, lm, lo, upper,
                                         plan.generator, raised)

@@ -138,16 +138,24 @@ def closed_map(family: Family, cand: Candidates, k: Tensor, width: int) -> Tenso
     return closed_log_renorm(family, cand.log_x[:, :width], inside, log_deficit, k)
 
 
-def closed_search(family: Family, cand: Candidates, lam: Scalar, limit: Tensor, window: int,
-                  bounded: bool, *, low: Tensor | None = None) -> Decoded:
-    """Adaptive k* for a closed-form family over sizes low .. window (`support_range`)."""
+def closed_sizes(family: Family, cand: Candidates, lam: Scalar, limit: Tensor, window: int,
+                 low: Tensor | None = None) -> Tensor:
+    """The first size in low .. window - 1 whose closed-form gap is at most lambda or that
+    reaches ``limit``, else ``window``: k* of a closed-form family over these candidates (the
+    window's search and the exact path's rounds both use it)."""
     x, deficit = cand.x[:, :window], cand.deficit[:, :window]
     gaps = closed_gaps(family, x, deficit)
     sizes = _arange(window + 1, x.device)[1:window]
     stop = (gaps <= column(lam)) | (sizes >= limit.unsqueeze(-1))
     if low is not None:
         stop &= sizes >= low.unsqueeze(-1)
-    k = first_stop(stop, window)
+    return first_stop(stop, window)
+
+
+def closed_search(family: Family, cand: Candidates, lam: Scalar, limit: Tensor, window: int,
+                  bounded: bool, *, low: Tensor | None = None) -> Decoded:
+    """Adaptive k* for a closed-form family over sizes low .. window (`support_range`)."""
+    k = closed_sizes(family, cand, lam, limit, window, low)
     uncertain = None if bounded else _beyond_window(k, limit, window)
     # Closed forms are exact up to rounding: a row past the window saw G(k) > lambda for every
     # k < window.
