@@ -44,7 +44,7 @@ from .generators import (
     generic_gap,
     generic_primal_renorm,
 )
-from .plan import DEFAULT_ROW_VALUES, ROW_FIELDS, make_plan, row_dtype, rows_family
+from .plan import DEFAULT_ROW_VALUES, ROW_DTYPES, ROW_FIELDS, make_plan, rows_family
 from .primal import closed_log_renorm, kl_log_renorm, newton_log_renorm, support_mask
 from .window import Decoded, closed_sizes, support_range
 from .write import output_values, write_support
@@ -84,7 +84,7 @@ def exact_plan(mode: str, alpha: Tensor, lam: Tensor, fixed_k: Tensor, k_max: Te
     if family is None and generator is None:
         family = rows_family(mode, alpha.tolist(), bool((fixed_k > 0).all()))
     if values is None:
-        values = {name: torch.full_like(fixed_k, default, dtype=row_dtype([default]))
+        values = {name: torch.full_like(fixed_k, default, dtype=ROW_DTYPES[name])
                   for name, default in zip(ROW_FIELDS, DEFAULT_ROW_VALUES, strict=True)}
     return ExactPlan(mode, alpha, lam, fixed_k, k_max, generator, family, values)
 

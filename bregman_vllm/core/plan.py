@@ -55,6 +55,12 @@ def _row_values(params: BregmanParams) -> tuple:
 
 #: Their defaults: the rows of the public functions, which take no such field.
 DEFAULT_ROW_VALUES = _row_values(BregmanParams())
+#: The device dtype of each per-row value, from the parameter model's annotations: float64
+#: for real values, int64 for integers (sizes, counts).
+ROW_DTYPES: dict[str, torch.dtype] = {
+    "alpha": torch.float64, "lam": torch.float64, "size": torch.long, "cap": torch.long,
+    **{spec.name: torch.float64 if "float" in str(spec.type) else torch.long
+       for spec in fields(BregmanParams) if spec.name in ROW_FIELDS}}
 
 
 def _window(family: Family, smallest_lambda: float) -> int:
@@ -450,7 +456,7 @@ def _group(family: Family, mode: str, fixed: bool, rows: Tensor | None, count: i
     below = family == Family.POWER and any(a < 2.0 for a in alphas)
     above = family == Family.POWER and any(a > 2.0 for a in alphas)
     host = {"alpha": alphas, "lam": lams, "size": sizes, "cap": caps, **extra}
-    values = {name: _per_row(host[name], row_dtype(host[name]), device, uniform)
+    values = {name: _per_row(host[name], ROW_DTYPES[name], device, uniform)
               for name in ("alpha", "lam", "size", *ROW_FIELDS)}
     return Group(
         family=family, mode=mode, fixed=fixed, rows=rows, count=count, values=values,
@@ -459,9 +465,5 @@ def _group(family: Family, mode: str, fixed: bool, rows: Tensor | None, count: i
         host_rows=None if rows is None else host_rows,
     )
 
-
-def row_dtype(values: list) -> torch.dtype:
-    """float64 for real values, int64 for integers (sizes and counts)."""
-    return torch.float64 if any(isinstance(v, float) for v in values) else torch.long
 
 

@@ -50,13 +50,13 @@ from .exact import MEMORY_BUDGET, decode_exact, exact_plan
 from .families import CLOSED_GAP_FAMILIES, ITERATIVE_FAMILIES, Family
 from .plan import (
     DEFAULT_ROW_VALUES,
+    ROW_DTYPES,
     ROW_FIELDS,
     WIDE_WINDOW,
     WINDOW,
     Group,
     Joint,
     Plan,
-    row_dtype,
 )
 from .window import (
     Decoded,
@@ -450,7 +450,7 @@ def _exact_inputs(group: Group, device: torch.device, piece: slice | None = None
     size = per_row("size", torch.long)
     cap = per_row("cap", torch.long)
     fixed = size if group.fixed else torch.zeros_like(size)
-    values = {name: per_row(name, row_dtype(group.host[name])) for name in ROW_FIELDS}
+    values = {name: per_row(name, ROW_DTYPES[name]) for name in ROW_FIELDS}
     return exact_plan(group.mode, alpha, lam, fixed, cap, group.generator,
                       None if group.generator is not None else group.family, values)
 
@@ -729,7 +729,7 @@ def _dummy(n: int, vocab: int, device: torch.device, dtype: torch.dtype, logits:
               "lam": torch.full((n,), 0.01, dtype=torch.float64, device=device),
               "size": torch.full((n,), UNBOUNDED, **long)}
     for name, default in zip(ROW_FIELDS, DEFAULT_ROW_VALUES, strict=True):
-        values[name] = torch.full((n,), default, dtype=row_dtype([default]), device=device)
+        values[name] = torch.full((n,), default, dtype=ROW_DTYPES[name], device=device)
     return (rows, torch.ones(n, device=device), torch.zeros(n, **long),
             torch.zeros(n, dtype=torch.bool, device=device),
             torch.ones(n, dtype=torch.bool, device=device), values)
@@ -777,13 +777,10 @@ def _rowwise(owner: Group | Joint, device: torch.device) -> tuple:
         list(zip(owner.groups, owner.positions, strict=True))
     n = sum(group.count for group, _ in pairs)
     names = tuple(pairs[0][0].values)
-    dtypes = {name: torch.float64 if any(row_dtype(group.host[name]) == torch.float64
-                                         for group, _ in pairs) else torch.long
-              for name in names}
     codes = torch.empty(n, dtype=torch.long, device=device)
     fixed = torch.empty(n, dtype=torch.bool, device=device)
     flags = torch.empty(n, dtype=torch.bool, device=device)
-    values = {name: torch.empty(n, dtype=dtypes[name], device=device) for name in names}
+    values = {name: torch.empty(n, dtype=ROW_DTYPES[name], device=device) for name in names}
     for group, where in pairs:
         flag = _may_flag(_Static.of(group))
         columns = ((codes, _CODES[group.family]), (fixed, group.fixed), (flags, flag),
