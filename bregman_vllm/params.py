@@ -22,6 +22,14 @@ within float32 resolution, while the powers in the cost leave float64's range.
 
 `lam` (lambda, the l0 price per kept token) is a finite number >= 0; `top_k` and `k_max` are
 integers >= 1 or absent. `k_max` caps the support size in both the adaptive and the fixed-k case.
+
+A new request field is written here and where it is used, nowhere in between: a `FieldSpec`
+(the OpenAPI schema and the docs/server.md table are generated from it), its key in
+`FIELD_KEYS`, and a `BregmanParams` attribute parsed in ``__post_init__``; the HTTP middleware
+and the vLLM processor pass every key of `REQUEST_KEYS` on, and the core receives the value per
+row by name (`bregman_vllm.core.plan.ROW_FIELDS`: ``Group.values``, ``ExactPlan.values``, the
+compiled pass's columns) in the function that reads it (for a bound on the support size,
+`bregman_vllm.core.window.support_range`, which both searches use).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 MODES: tuple[str, ...] = ("primal", "dual", "off")
@@ -39,14 +47,16 @@ DEFAULT_MODE = "primal"
 DEFAULT_ALPHA = 1.5
 DEFAULT_LAMBDA = 0.01
 
-#: The request keys (``SamplingParams.extra_args`` / ``vllm_xargs`` / HTTP body fields).
-REQUEST_KEYS: tuple[str, ...] = (
-    "bregman_mode",
-    "bregman_alpha",
-    "bregman_lambda",
-    "bregman_top_k",
-    "bregman_k_max",
-)
+#: The request key (``SamplingParams.extra_args`` / ``vllm_xargs`` / HTTP body field) of each
+#: `BregmanParams` field.
+FIELD_KEYS: dict[str, str] = {
+    "mode": "bregman_mode",
+    "alpha": "bregman_alpha",
+    "lam": "bregman_lambda",
+    "top_k": "bregman_top_k",
+    "k_max": "bregman_k_max",
+}
+REQUEST_KEYS: tuple[str, ...] = tuple(FIELD_KEYS.values())
 
 
 class BregmanParamError(ValueError):
@@ -60,13 +70,19 @@ class BregmanParamError(ValueError):
 
 @dataclass(frozen=True)
 class FieldSpec:
-    """Documentation of one request field: used for the OpenAPI schema and the README table."""
+    """Documentation of one request field: used for the OpenAPI schema and the README table.
+    ``schema``: the JSON schemas a sent value may have (the OpenAPI document adds null)."""
 
     name: str
     type: str
     allowed: str
     default: str
     description: str
+    schema: tuple[Mapping[str, Any], ...] = field(default=(), hash=False)
+    examples: tuple[Any, ...] = ()
+
+
+_SIZE_SCHEMA = ({"type": "integer", "minimum": 1, "maximum": 2**31 - 1},)
 
 
 FIELD_SPECS: tuple[FieldSpec, ...] = (
@@ -78,6 +94,7 @@ FIELD_SPECS: tuple[FieldSpec, ...] = (
         'default is "off"',
         "Which Bregman problem to solve: primal projection D(q, p), dual projection D(p, q), or "
         "'off' for plain sampling.",
+        ({"type": "string", "enum": list(MODES)},),
     ),
     FieldSpec(
         "bregman_alpha",
@@ -89,6 +106,8 @@ FIELD_SPECS: tuple[FieldSpec, ...] = (
         "Exponent of the generator phi(x) = x^alpha / (alpha (alpha - 1)). alpha = 1 is the KL "
         "divergence (standard top-k renormalization); larger alpha spreads the mass more evenly "
         "over the kept tokens (inf = water-filling); alpha < 1 concentrates it on the top tokens.",
+        ({"type": "number"}, {"type": "string", "enum": ["inf", "-inf"]}),
+        (1.5, 2, "inf"),
     ),
     FieldSpec(
         "bregman_lambda",
@@ -97,6 +116,8 @@ FIELD_SPECS: tuple[FieldSpec, ...] = (
         str(DEFAULT_LAMBDA),
         "Sparsity price per kept token. 0 keeps every token with nonzero probability; larger "
         "values keep fewer tokens. Ignored when bregman_top_k is set.",
+        ({"type": "number", "minimum": 0},),
+        (0.01,),
     ),
     FieldSpec(
         "bregman_top_k",
@@ -105,6 +126,8 @@ FIELD_SPECS: tuple[FieldSpec, ...] = (
         "absent (adaptive k*)",
         "Fixed support size: generalized top-k (keep the k most likely tokens, renormalize with "
         "the primal or dual alpha map) instead of the adaptive k*.",
+        _SIZE_SCHEMA,
+        (20,),
     ),
     FieldSpec(
         "bregman_k_max",
@@ -112,6 +135,8 @@ FIELD_SPECS: tuple[FieldSpec, ...] = (
         "integer >= 1",
         "absent (no cap)",
         "Upper bound on the support size k* (and on bregman_top_k).",
+        _SIZE_SCHEMA,
+        (100,),
     ),
 )
 
@@ -360,10 +385,6 @@ class BregmanParams:
     def enabled(self) -> bool:
         return self.mode != "off"
 
-    def validated(self) -> BregmanParams:
-        """The parameters themselves: they were validated when made (kept for callers)."""
-        return self
-
     @classmethod
     def from_mapping(
         cls,
@@ -380,28 +401,17 @@ class BregmanParams:
         if not present and defaults is None:
             return None
         base = defaults if defaults is not None else cls()
-        params = replace(
-            base,
-            mode=present.get("bregman_mode", _implied_mode(base.mode, present)),
-            alpha=present.get("bregman_alpha", base.alpha),
-            lam=present.get("bregman_lambda", base.lam),
-            top_k=present.get("bregman_top_k", base.top_k),
-            k_max=present.get("bregman_k_max", base.k_max),
-        )
-        return params
+        changes = {name: present[key] for name, key in FIELD_KEYS.items() if key in present}
+        changes.setdefault("mode", _implied_mode(base.mode, present))
+        return replace(base, **changes)
 
     def to_request(self) -> dict[str, Any]:
         """The ``bregman_*`` keys for ``vllm_xargs`` / ``SamplingParams.extra_args``.
 
         Infinite alpha is sent as the string "inf" / "-inf" (JSON has no infinity).
         """
-        alpha: float | str = self.alpha
+        out = {key: getattr(self, name) for name, key in FIELD_KEYS.items()
+               if getattr(self, name) is not None}
         if math.isinf(self.alpha):
-            alpha = "inf" if self.alpha > 0 else "-inf"
-        out: dict[str, Any] = {"bregman_mode": self.mode, "bregman_alpha": alpha,
-                               "bregman_lambda": self.lam}
-        if self.top_k is not None:
-            out["bregman_top_k"] = self.top_k
-        if self.k_max is not None:
-            out["bregman_k_max"] = self.k_max
+            out["bregman_alpha"] = "inf" if self.alpha > 0 else "-inf"
         return out

@@ -10,9 +10,7 @@ leaves every other field to vLLM.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
 
 from bregman_vllm.params import FIELD_SPECS, REQUEST_KEYS, FieldSpec
 
@@ -29,40 +27,26 @@ def field_description(name: str) -> str:
             f"Default: {spec.default}.")
 
 
-class BregmanFields(BaseModel):
-    """The Bregman decoding fields, accepted at the top level of the request body.
-
-    They may also be sent inside ``vllm_xargs``; a top-level field wins over the same key in
-    ``vllm_xargs``, which wins over the server-wide default.
-    """
-
-    model_config = ConfigDict(extra="allow")
-
-    bregman_mode: Literal["primal", "dual", "off"] | None = Field(
-        None, description=field_description("bregman_mode"))
-    bregman_alpha: float | Literal["inf", "-inf"] | None = Field(
-        None, description=field_description("bregman_alpha"), examples=[1.5, 2, "inf"])
-    bregman_lambda: float | None = Field(
-        None, ge=0, description=field_description("bregman_lambda"), examples=[0.01])
-    bregman_top_k: int | None = Field(
-        None, ge=1, le=2**31 - 1, description=field_description("bregman_top_k"),
-        examples=[20])
-    bregman_k_max: int | None = Field(
-        None, ge=1, le=2**31 - 1, description=field_description("bregman_k_max"),
-        examples=[100])
-    vllm_xargs: dict[str, Any] | None = Field(
-        None,
-        description="vLLM's per-request extra arguments (SamplingParams.extra_args), forwarded "
-        "unchanged except for its bregman_* keys, which the top-level fields override.")
+def field_schema(spec: FieldSpec) -> dict[str, Any]:
+    """The JSON schema of one Bregman field, from its `FieldSpec` (absent or null: the
+    default)."""
+    schema: dict[str, Any] = {
+        "anyOf": [*(dict(option) for option in spec.schema), {"type": "null"}],
+        "default": None, "title": spec.name.replace("_", " ").title(),
+        "description": field_description(spec.name)}
+    if spec.examples:
+        schema["examples"] = list(spec.examples)
+    return schema
 
 
 def bregman_properties(settings: ServerSettings) -> dict[str, Any]:
-    """JSON schemas of the ``bregman_*`` fields, with this server's defaults filled in."""
-    schema = BregmanFields.model_json_schema()
+    """JSON schemas of the ``bregman_*`` fields (every `FIELD_SPECS` entry, accepted at the top
+    level of the body and inside ``vllm_xargs``; a top-level field wins over the same key in
+    ``vllm_xargs``, which wins over the server-wide default), with this server's defaults."""
     server_defaults = settings.default_request_values()
     properties = {}
     for key in REQUEST_KEYS:
-        prop = dict(schema["properties"][key])
+        prop = field_schema(_SPECS[key])
         prop["default"] = server_defaults.get(key)
         prop["description"] += f" This server's default: {json.dumps(server_defaults.get(key))}."
         properties[key] = prop

@@ -114,7 +114,7 @@ class ServerSettings(BaseSettings):
             lam=self.default_lambda,
             top_k=self.default_top_k,
             k_max=self.default_k_max,
-        ).validated()
+        )
 
     def default_request_values(self) -> dict[str, Any]:
         """The defaults as JSON values, for the OpenAPI schema ("inf" for infinite alpha)."""

@@ -455,12 +455,12 @@ def test_alphas_beyond_the_limit_are_refused_everywhere_with_the_reason(value):
         for top_k in (None, 5):
             allowed = mode == "primal" or value > 1
             with pytest.raises(BregmanParamError, match="alpha") as error:
-                BregmanParams(mode=mode, alpha=value, top_k=top_k).validated()
+                BregmanParams(mode=mode, alpha=value, top_k=top_k)
             if allowed and not (mode == "primal" and top_k is None and value < 0):
                 assert "above 1e8" in str(error.value)
             with pytest.raises(BregmanParamError):
                 bregman_decode(torch.tensor([0.6, 0.4]), alpha=value, lam=0.1, mode=mode,
                                top_k=top_k)
-    BregmanParams(alpha=1e8).validated()
-    BregmanParams(alpha=-1e8, top_k=5).validated()
-    BregmanParams(mode="dual", alpha=math.inf, top_k=5).validated()
+    BregmanParams(alpha=1e8)
+    BregmanParams(alpha=-1e8, top_k=5)
+    BregmanParams(mode="dual", alpha=math.inf, top_k=5)

@@ -47,8 +47,8 @@ from bregman_vllm.params import FIELD_SPECS, BregmanParamError, BregmanParams
 from .test_server_support import BODY_ENCODINGS, encode_body
 
 ROOT = Path(__file__).resolve().parent.parent
-OFF = BregmanParams(mode="off").validated()
-PRIMAL = BregmanParams(mode="primal", alpha=1.5, lam=0.01).validated()
+OFF = BregmanParams(mode="off")
+PRIMAL = BregmanParams(mode="primal", alpha=1.5, lam=0.01)
 KEY = "s3cret"
 AUTH = {"authorization": f"Bearer {KEY}"}
 
@@ -890,14 +890,14 @@ def test_top_level_field_beats_the_users_vllm_xargs() -> None:
 
 
 def test_vllm_xargs_alone_beats_the_server_default() -> None:
-    defaults = BregmanParams(mode="primal", alpha=1.5, lam=0.01, top_k=7).validated()
+    defaults = BregmanParams(mode="primal", alpha=1.5, lam=0.01, top_k=7)
     body = {"vllm_xargs": {"bregman_top_k": 2}}
     assert apply_bregman(body, defaults) == ("primal", True)
     assert body["vllm_xargs"]["bregman_top_k"] == 2
 
 
 def test_server_default_applies_to_requests_that_do_not_say() -> None:
-    defaults = BregmanParams(mode="primal", alpha=2.0, lam=0.001).validated()
+    defaults = BregmanParams(mode="primal", alpha=2.0, lam=0.001)
     body: dict[str, Any] = {"prompt": "hi"}
     assert apply_bregman(body, defaults) == ("primal", True)
     assert body["vllm_xargs"] == {"bregman_mode": "primal", "bregman_alpha": 2.0,
@@ -911,7 +911,7 @@ def test_explicit_off_beats_the_server_default_and_strips_vllm_xargs() -> None:
 
 
 def test_any_field_turns_decoding_on_when_the_server_default_is_off() -> None:
-    defaults = BregmanParams(mode="off", alpha=2.5, lam=0.2).validated()
+    defaults = BregmanParams(mode="off", alpha=2.5, lam=0.2)
     body = {"bregman_lambda": 0.3}
     assert apply_bregman(body, defaults) == ("primal", True)
     assert body["vllm_xargs"] == {"bregman_mode": "primal", "bregman_alpha": 2.5,
@@ -988,7 +988,7 @@ def test_cli_forwards_unknown_arguments_to_vllm_in_order(clean_env: pytest.Monke
     assert (settings.host, settings.port) == ("0.0.0.0", 8000)
     assert vllm_args == ["--max-model-len", "2048", "--dtype", "bfloat16", "--enforce-eager",
                          "--gpu-memory-utilization=0.9"]
-    assert settings.bregman_defaults() == BregmanParams("primal", 1.5, 0.01).validated()
+    assert settings.bregman_defaults() == BregmanParams("primal", 1.5, 0.01)
 
 
 def test_environment_settings_and_flags_over_environment(clean_env: pytest.MonkeyPatch) -> None:
@@ -1094,3 +1094,24 @@ def test_docs_reference_tables_are_generated_from_the_code() -> None:
     assert "`BREGMAN_API_KEY`" in document and "`--default-mode`" in document
 
 
+
+
+def test_openapi_fields_are_generated_from_the_parameter_model() -> None:
+    """Every request field of the parameter model (`FIELD_SPECS`) is in the OpenAPI properties,
+    with its value schema (ranges, enums), null for "absent", and this server's default: a new
+    field needs no code here."""
+    from bregman_server.openapi import bregman_properties
+
+    settings = ServerSettings(default_mode="dual", default_alpha=2.0, default_top_k=9)
+    properties = bregman_properties(settings)
+    assert list(properties) == [spec.name for spec in FIELD_SPECS]
+    for spec in FIELD_SPECS:
+        options = properties[spec.name]["anyOf"]
+        assert options[-1] == {"type": "null"} and len(options) == len(spec.schema) + 1
+        assert spec.allowed in properties[spec.name]["description"]
+    assert properties["bregman_mode"]["default"] == "dual"
+    assert properties["bregman_top_k"]["default"] == 9
+    assert properties["bregman_k_max"]["anyOf"][0] == {"type": "integer", "minimum": 1,
+                                                      "maximum": 2**31 - 1}
+    assert properties["bregman_lambda"]["anyOf"][0]["minimum"] == 0
+    assert properties["bregman_alpha"]["anyOf"][1]["enum"] == ["inf", "-inf"]

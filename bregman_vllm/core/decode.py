@@ -17,12 +17,13 @@ cost gap is at most lambda.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
-from ..params import BregmanParamError, check_alpha, parse_mode
-from .exact import renorm_rows
+from ..params import BregmanParamError, parse_mode
+from .exact import log_renorm
 from .generators import BregmanGenerator
 from .plan import Plan, make_plan
 from .step import compile_enabled, decode_step, warm_up
@@ -130,35 +131,6 @@ def bregman_decode_logits(
 # ----------------------------------------------------------------------------- renormalize
 
 
-def _row_values(value, name: str, batch_shape: torch.Size, device, dtype) -> Tensor:
-    """Broadcast a Python number or tensor to one float64 value per row (flattened)."""
-    if isinstance(value, bool):
-        raise BregmanParamError(name, f"must be a number, got {value!r}")
-    if isinstance(value, Tensor):
-        tensor = value.to(device=device, dtype=torch.float64)
-    elif isinstance(value, (int, float)):
-        tensor = torch.tensor(float(value), dtype=torch.float64, device=device)
-    elif isinstance(value, str):
-        from ..params import parse_alpha
-        tensor = torch.tensor(parse_alpha(value, name), dtype=torch.float64, device=device)
-    else:
-        raise BregmanParamError(name, f"must be a number or a tensor, got {type(value).__name__}")
-    try:
-        tensor = torch.broadcast_to(tensor, batch_shape)
-    except RuntimeError:
-        raise BregmanParamError(
-            name, f"shape {tuple(tensor.shape)} does not broadcast to the batch shape "
-            f"{tuple(batch_shape)}") from None
-    return tensor.reshape(-1)
-
-
-
-def _check_alpha_rows(alpha: Tensor, mode: str, fixed: Tensor, name: str) -> None:
-    """Apply the parameter model's alpha ranges to every row (the host values, once)."""
-    for value, is_fixed in zip(alpha.tolist(), fixed.tolist(), strict=True):
-        check_alpha(value, mode, fixed_k=is_fixed, field=name)
-
-
 def renormalize(x: Tensor, *, alpha, mode: str = "primal") -> Tensor:
     """Renormalize sub-probability vectors on a fixed support: T_alpha (eq. (4)) or T*_alpha
     (eq. (5)) applied to the whole last dimension of ``x``.
@@ -172,9 +144,9 @@ def renormalize(x: Tensor, *, alpha, mode: str = "primal") -> Tensor:
         tensor([0.6000, 0.4000])
     """
     mode = parse_mode(mode, "mode", allow_off=False)
-    batch_shape = x.shape[:-1]
-    alpha_rows = _row_values(alpha, "alpha", batch_shape, x.device, torch.float64)
-    _check_alpha_rows(alpha_rows, mode, torch.ones_like(alpha_rows, dtype=torch.bool), "alpha")
+    # Validated and grouped by family by the plan, as a fixed top-k of the whole row.
+    plan = make_plan(mode, alpha, 0.0, top_k=x.shape[-1], batch_shape=x.shape[:-1],
+                     vocab=x.shape[-1], device=x.device)
     x2 = _flatten(x).to(torch.float64).clamp_min(0.0)
     if bool((x2.sum(-1) > 1.0 + 1e-6).any()):
         raise BregmanParamError("x", "rows must sum to at most 1 (a sub-probability vector)")
@@ -184,8 +156,14 @@ def renormalize(x: Tensor, *, alpha, mode: str = "primal") -> Tensor:
     k = torch.full((xs.shape[0],), width, dtype=torch.long, device=x.device)
     deficit = (1.0 - xs.sum(-1)).clamp_min(0.0)
     empty = xs[:, 0] <= 0
+    log_q = torch.full_like(xs, -math.inf)
     with torch.no_grad():
-        log_q = renorm_rows(mode, torch.log(xs), k, alpha_rows, torch.log(deficit))
+        for group in plan.groups:
+            index = group.rows_or_all(x.device)
+            alpha_rows = torch.as_tensor(group.host["alpha"], dtype=torch.float64,
+                                         device=x.device).expand(index.numel())
+            log_q[index] = log_renorm(group.family, mode, torch.log(xs[index]), k[index],
+                                      alpha_rows, torch.log(deficit[index]))
     q = torch.exp(log_q)
     q = torch.where(empty.unsqueeze(-1), torch.full_like(q, 1.0 / width), q)
     out = torch.empty_like(q).scatter_(1, order, q)

@@ -28,13 +28,15 @@ Memory: a round holds a few float64 [rows, W] arrays; rounds whose width would e
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
 
 from .candidates import UNBOUNDED, Candidates, candidates, take
 from .dual import nested_log_renorm
-from .families import CLOSED_GAP_FAMILIES, Family, family_of
+from .families import CLOSED_FORM_FAMILIES, CLOSED_GAP_FAMILIES, Family
 from .gaps import dual_log_gap, primal_log_gap
 from .generators import (
     BregmanGenerator,
@@ -42,16 +44,9 @@ from .generators import (
     generic_gap,
     generic_primal_renorm,
 )
-from .primal import (
-    argmax_fill_log_renorm,
-    kl_log_renorm,
-    newton_log_renorm,
-    square_log_renorm,
-    support_mask,
-    three_halves_log_renorm,
-    water_filling_log_renorm,
-)
-from .window import Decoded, closed_gaps
+from .plan import DEFAULT_ROW_VALUES, ROW_DTYPES, ROW_FIELDS, make_plan, rows_family
+from .primal import closed_log_renorm, kl_log_renorm, newton_log_renorm, support_mask
+from .window import Decoded, closed_sizes, support_range
 from .write import output_values, write_support
 
 Tensor = torch.Tensor
@@ -66,9 +61,9 @@ _BYTES_PER_ENTRY = 320  # peak of a whole-row round, per entry (measured: 266 fo
 
 
 class ExactPlan(NamedTuple):
-    """Per-row parameters of the exact path (all [n] tensors; fixed_k / k_max: 0 = none) and
-    the rows' formula family (one plan group: decided once, by the plan; None with a user
-    generator)."""
+    """Per-row parameters of the exact path (all [n] tensors; fixed_k / k_max: 0 = none), the
+    rows' formula family (one plan group: decided once, by the plan; None with a user
+    generator) and the other per-row values by name (`plan.ROW_FIELDS`, [n] tensors)."""
 
     mode: str
     alpha: Tensor
@@ -77,21 +72,21 @@ class ExactPlan(NamedTuple):
     k_max: Tensor
     generator: BregmanGenerator | None = None
     family: Family | None = None
+    values: Mapping[str, Tensor] = MappingProxyType({})
 
 
 def exact_plan(mode: str, alpha: Tensor, lam: Tensor, fixed_k: Tensor, k_max: Tensor,
-               generator: BregmanGenerator | None = None, family: Family | None = None
-               ) -> ExactPlan:
+               generator: BregmanGenerator | None = None, family: Family | None = None,
+               values: Mapping[str, Tensor] | None = None) -> ExactPlan:
     """The exact path's parameters. ``family``: the rows' family when the caller has it (a
-    plan group); else decided here, on the host, from the rows' one alpha (`family_of`),
-    or `Family.EXACT` (the general maps) for rows of several alphas."""
+    plan group); else the plan's (`plan.rows_family`). ``values``: the `plan.ROW_FIELDS`
+    (default: their defaults)."""
     if family is None and generator is None:
-        values = set(alpha.tolist())
-        fixed = bool((fixed_k > 0).all())
-        family = family_of(mode, values.pop(), fixed) if len(values) == 1 else Family.EXACT
-        if family == Family.KEEP_ALL:  # (lambda = 0 is the exact path's to solve here)
-            family = Family.EXACT
-    return ExactPlan(mode, alpha, lam, fixed_k, k_max, generator, family)
+        family = rows_family(mode, alpha.tolist(), bool((fixed_k > 0).all()))
+    if values is None:
+        values = {name: torch.full_like(fixed_k, default, dtype=ROW_DTYPES[name])
+                  for name, default in zip(ROW_FIELDS, DEFAULT_ROW_VALUES, strict=True)}
+    return ExactPlan(mode, alpha, lam, fixed_k, k_max, generator, family, values)
 
 # ----------------------------------------------------------------------------- candidates
 
@@ -100,12 +95,6 @@ def _log_deficit(cand: Candidates, k: Tensor) -> Tensor:
     """log R_k for sizes k >= 1 (``[n, ...]`` like ``k``; `Candidates.deficit` holds R_1..R_W)."""
     flat = k.reshape(k.shape[0], -1)
     return torch.log(torch.gather(cand.deficit, 1, flat - 1)).reshape(k.shape)
-
-
-def _positive(cand: Candidates) -> tuple[Tensor, Tensor]:
-    """Number of positive candidates per row, and whether they are all the row's positive
-    entries."""
-    return (cand.x > 0).sum(-1), cand.known < UNBOUNDED
 
 
 # ----------------------------------------------------------------------------- renormalization
@@ -121,11 +110,8 @@ def _general(mode: str):
 
 #: The map of each family on a fixed support (arguments: log p, support mask, alpha, log R, k).
 _MAPS = {
-    Family.KL: lambda lp, mk, a, ld, kk: kl_log_renorm(lp, mk),
-    Family.THREE_HALVES: lambda lp, mk, a, ld, kk: three_halves_log_renorm(lp, mk, ld, kk),
-    Family.SQUARE: lambda lp, mk, a, ld, kk: square_log_renorm(lp, mk, ld, kk),
-    Family.WATER: lambda lp, mk, a, ld, kk: water_filling_log_renorm(lp, mk, ld),
-    Family.ARGMAX: lambda lp, mk, a, ld, kk: argmax_fill_log_renorm(lp, mk, ld),
+    **{family: (lambda lp, mk, a, ld, kk, family=family:
+                closed_log_renorm(family, lp, mk, ld, kk)) for family in CLOSED_FORM_FAMILIES},
     Family.POWER: lambda lp, mk, a, ld, kk: newton_log_renorm(lp, mk, a, ld, kk),
     Family.DUAL_THREE_HALVES: lambda lp, mk, a, ld, kk: nested_log_renorm(
         lp, mk, a, ld, kk, closed=Family.DUAL_THREE_HALVES),
@@ -174,15 +160,14 @@ def log_renorm(family: Family | None, mode: str, log_p: Tensor, k: Tensor, alpha
 
 def renorm_rows(mode: str, log_p: Tensor, k: Tensor, alpha: Tensor, log_deficit: Tensor
                 ) -> Tensor:
-    """`log_renorm` for rows of any alphas (``[n]``): each row with its alpha's family, decided
-    on the host (`families.family_of`, fixed support)."""
-    families: dict[Family, list[int]] = {}
-    for row, value in enumerate(alpha.reshape(-1).tolist()):
-        families.setdefault(family_of(mode, value, fixed=True), []).append(row)
+    """`log_renorm` for rows of any alphas (``[n]``, validated as fixed-k alphas): each row
+    with its family, decided by the plan (`plan.make_plan`, one group per family)."""
+    plan = make_plan(mode, alpha.reshape(-1), 0.0, top_k=k.reshape(-1), batch_shape=k.numel(),
+                     vocab=log_p.shape[-1], device=log_p.device)
     out = torch.full_like(log_p, -math.inf)
-    for family, rows in families.items():
-        index = torch.tensor(rows, device=log_p.device)
-        out[index] = log_renorm(family, mode, log_p[index], k[index], alpha[index],
+    for group in plan.groups:
+        index = group.rows_or_all(log_p.device)
+        out[index] = log_renorm(group.family, mode, log_p[index], k[index], alpha[index],
                                 log_deficit[index])
     return out
 
@@ -340,9 +325,10 @@ def _support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor)
     alpha, lam = plan.alpha[rows], plan.lam[rows]
     fixed, cap = plan.fixed_k[rows], plan.k_max[rows]
     width = cand.x.shape[-1]
-    positive, complete = _positive(cand)
-    n_known = torch.where(complete, positive, torch.full_like(positive, 10**18))
-    limit = torch.where(cap > 0, torch.minimum(cap, n_known), n_known).clamp_min(1)
+    values = {name: value[rows] for name, value in plan.values.items()}
+    values["size"] = torch.where(cap > 0, cap, UNBOUNDED)
+    least, limit = support_range(cand, values)
+    limit = limit.clamp_min(1)
     is_fixed = fixed > 0
     k = torch.where(is_fixed, torch.minimum(fixed, limit), 0)
     done = is_fixed & (k <= width)
@@ -353,7 +339,8 @@ def _support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor)
         hi = limit[adaptive]
         bounded = hi <= width  # the last size is a real boundary
         upper = torch.minimum(hi, torch.full_like(hi, width))
-        lo = torch.minimum(low[adaptive], upper)
+        lo = low[adaptive] if least is None else torch.maximum(low[adaptive], least[adaptive])
+        lo = torch.minimum(lo, upper)
         sub = take(cand, adaptive)
         a, lm = alpha[adaptive], lam[adaptive]
         raised = torch.zeros_like(bounded)
@@ -362,14 +349,8 @@ def _support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor)
             floor = torch.minimum(_floor_sizes(plan.mode, sub, a, lm), upper)
             raised = floor > lo
             lo = torch.maximum(lo, floor)
-        if closed:
-            gaps = closed_gaps(plan.family, sub.x, sub.deficit)
-            # Column j is k = j + 1; the last column (k = width) always stops.
-            gaps = torch.nn.functional.pad(gaps, (0, 1), value=-math.inf)
-            sizes = torch.arange(1, width + 1, device=gaps.device)
-            stop = (gaps <= lm.unsqueeze(-1)) | (sizes >= upper.unsqueeze(-1))
-            stop &= sizes >= lo.unsqueeze(-1)
-            found = torch.minimum(torch.where(stop, sizes, width).amin(-1), upper)
+        if closed:  # the window's search over this round's candidates
+            found = closed_sizes(plan.family, sub, lm, upper, width, lo)
         else:
             found, maps, have = _search(plan.family, plan.mode, sub, a, lm, lo, upper,
                                         plan.generator, raised)

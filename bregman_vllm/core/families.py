@@ -98,6 +98,9 @@ def keeps_all(mode: str, alpha: float, lam: float, vocab: int) -> bool:
 
 #: Families whose k* search is a closed-form gap over the whole window (no iteration).
 CLOSED_GAP_FAMILIES = frozenset({Family.KL, Family.THREE_HALVES, Family.SQUARE})
+#: Families whose map on a fixed support is a closed form (`primal.closed_log_renorm`).
+CLOSED_FORM_FAMILIES = frozenset({Family.KL, Family.THREE_HALVES, Family.SQUARE, Family.WATER,
+                                  Family.ARGMAX})
 #: Families solved by a fixed number of Newton iterations per support size.
 ITERATIVE_FAMILIES = frozenset({Family.POWER, Family.DUAL_THREE_HALVES, Family.DUAL_THREE})
 

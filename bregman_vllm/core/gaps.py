@@ -114,7 +114,7 @@ def three_halves_gaps(x: Tensor, deficit: Tensor) -> Tensor:
 
 
 def closed_form_gaps(family: Family, x: Tensor, deficit: Tensor) -> Tensor:
-    """All gaps G(1..W-1) of a family with closed-form gaps (`families.has_closed_gaps`)."""
+    """All gaps G(1..W-1) of a family with closed-form gaps (`families.CLOSED_GAP_FAMILIES`)."""
     if family == Family.KL:
         return kl_gaps(torch.cumsum(x, -1), x)
     if family == Family.SQUARE:

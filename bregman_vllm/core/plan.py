@@ -17,12 +17,12 @@ of their positions), so that a batch mixing families is not a pass per family.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 
 import torch
 
-from ..params import BregmanParamError, check_alpha, parse_mode
+from ..params import BregmanParamError, BregmanParams, check_alpha, parse_lambda, parse_mode
 from .candidates import UNBOUNDED
 from .families import ITERATIVE_FAMILIES, Family, family_of, keeps_all, newton_iterations
 from .generators import BregmanGenerator
@@ -36,6 +36,31 @@ WIDE_WINDOW = 256
 #: Below these lambdas a closed-form family's k* often passes 64 on peaked rows (standard top-k
 #: keeps every token with p_(k+1) > ~lambda S_k): it gets the wide window.
 _WIDE_BELOW = {Family.KL: 5e-3, Family.THREE_HALVES: 5e-4, Family.SQUARE: 1e-4}
+
+
+#: The fields of `BregmanParams` the plan interprets itself (the family, the support sizes).
+_INTERPRETED = ("mode", "alpha", "lam", "top_k", "k_max")
+#: Every other field of the parameter model reaches the core as it is, per row, by name
+#: (`Group.values`, `exact.ExactPlan.values`, the compiled pass's columns), absent (None) as 0:
+#: a new request field is read by the function that uses it, with no plumbing in between.
+ROW_FIELDS: tuple[str, ...] = tuple(
+    spec.name for spec in fields(BregmanParams) if spec.name not in _INTERPRETED)
+
+
+def _row_values(params: BregmanParams) -> tuple:
+    """The `ROW_FIELDS` of one request (None as 0)."""
+    return tuple(0 if getattr(params, name) is None else getattr(params, name)
+                 for name in ROW_FIELDS)
+
+
+#: Their defaults: the rows of the public functions, which take no such field.
+DEFAULT_ROW_VALUES = _row_values(BregmanParams())
+#: The device dtype of each per-row value, from the parameter model's annotations: float64
+#: for real values, int64 for integers (sizes, counts).
+ROW_DTYPES: dict[str, torch.dtype] = {
+    "alpha": torch.float64, "lam": torch.float64, "size": torch.long, "cap": torch.long,
+    **{spec.name: torch.float64 if "float" in str(spec.type) else torch.long
+       for spec in fields(BregmanParams) if spec.name in ROW_FIELDS}}
 
 
 def _window(family: Family, smallest_lambda: float) -> int:
@@ -55,9 +80,10 @@ class Group:
     fixed: bool  # fixed support size (generalized top-k): no search
     rows: Tensor | None  # device positions in the batch; None = every row, in order
     count: int
-    alpha: float | Tensor
-    lam: float | Tensor
-    size: int | Tensor  # fixed: the support size; adaptive: the cap k_max (UNBOUNDED: none)
+    #: Per-row values by name, each a Python number (shared by the group) or a device tensor:
+    #: "alpha", "lam", "size" (fixed: the support size; adaptive: the cap k_max, UNBOUNDED:
+    #: none) and every field of `ROW_FIELDS`.
+    values: Mapping[str, float | int | Tensor]
     capped: bool  # adaptive rows with a cap (the limit is min(cap, #positive))
     width: int  # candidates per row (adaptive: the support sizes searched at once)
     bounded: bool  # every row's cap fits the window: certified without a window check
@@ -69,6 +95,18 @@ class Group:
     host_rows: tuple[int, ...] | None = field(default=None, repr=False)  # ``rows`` on the host
     #: Host values the step derives from the group, once per plan (`step`).
     derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def alpha(self) -> float | Tensor:
+        return self.values["alpha"]
+
+    @property
+    def lam(self) -> float | Tensor:
+        return self.values["lam"]
+
+    @property
+    def size(self) -> int | Tensor:
+        return self.values["size"]
 
     def rows_or_all(self, device: torch.device) -> Tensor:
         if self.rows is not None:
@@ -246,9 +284,8 @@ def make_plan(
             raise BregmanParamError(name, f"must be an integer >= 1, got {value!r}")
     if alphas is None and lams is None and tops is None and caps is None:
         shared = _shared(mode, alpha, lam, top_k, k_max, generator, validate, names, vocab)
-        return Plan((_group(shared[0], mode, shared[1], None, batch, [shared[2]], [shared[3]],
-                            [shared[4]], [shared[5]], device, generator, vocab,
-                            uniform=True),), batch, vocab)
+        return Plan((_group(shared[0], mode, shared[1], None, batch, [shared], device,
+                            generator, vocab, uniform=True),), batch, vocab)
     rows = _rows(mode, alpha, lam, top_k, k_max, alphas, lams, tops, caps, batch, generator,
                  validate, names, vocab)
     by_key: dict[tuple[Family, bool], list[int]] = {}
@@ -259,21 +296,20 @@ def make_plan(
         every = len(members) == batch
         position = None if every else _to_device(members, torch.long, device)
         groups.append(_group(family, mode, fixed, position, len(members),
-                             [rows[i][2] for i in members], [rows[i][3] for i in members],
-                             [rows[i][4] for i in members], [rows[i][5] for i in members],
-                             device, generator, vocab, host_rows=tuple(members)))
+                             [rows[i] for i in members], device, generator, vocab,
+                             host_rows=tuple(members)))
     return Plan(tuple(groups), batch, vocab)
 
 
-Row = tuple[Family, bool, float, float, int, int]  # family, fixed, alpha, lam, size, cap
+#: family, fixed, alpha, lam, size, cap, the `ROW_FIELDS` values
+Row = tuple[Family, bool, float, float, int, int, tuple]
 
 
 def _classify(mode: str, alpha: float, lam: float, top: int, cap: int, generator,
-              validate: bool, names, vocab: int) -> Row:
+              validate: bool, names, vocab: int, extra: tuple = DEFAULT_ROW_VALUES) -> Row:
     alpha_name, lam_name, top_name, cap_name = names
     if validate:
-        if math.isnan(lam) or not math.isfinite(lam) or lam < 0:
-            raise BregmanParamError(lam_name, f"must be a finite number in [0, inf), got {lam:g}")
+        parse_lambda(lam, lam_name)
         for name, value in ((top_name, top), (cap_name, cap)):
             if value < 0:
                 raise BregmanParamError(name, f"must be an integer >= 1, got {value}")
@@ -292,11 +328,21 @@ def _classify(mode: str, alpha: float, lam: float, top: int, cap: int, generator
     fixed = fixed_size > 0
     if generator is not None:
         return (Family.KEEP_ALL if every and not fixed else Family.EXACT, fixed, 0.0, lam,
-                fixed_size, cap)
+                fixed_size, cap, extra)
     family = family_of(mode, alpha, fixed, keep_all=every)
     if family == Family.KEEP_ALL:
         fixed = False
-    return (family, fixed, alpha, lam, fixed_size, cap)
+    return (family, fixed, alpha, lam, fixed_size, cap, extra)
+
+
+def rows_family(mode: str, alphas: Sequence[float], fixed: bool) -> Family:
+    """The family of rows decoded together outside a plan (the exact path called on its own):
+    their one alpha's (`families.family_of`), or `Family.EXACT` (the general maps) for several
+    alphas. Lambda = 0 is the exact path's to solve there (never ``KEEP_ALL``)."""
+    values = set(alphas)
+    if len(values) != 1:
+        return Family.EXACT
+    return family_of(mode, values.pop(), fixed)
 
 
 def _shared(mode, alpha, lam, top_k, k_max, generator, validate, names, vocab):
@@ -358,7 +404,7 @@ def plan_requests(requests: Sequence[tuple[int, object]], *, batch: int, vocab: 
         if row is None:
             row = seen[params] = _classify(
                 params.mode, float(params.alpha), float(params.lam), params.top_k or 0,
-                params.k_max or 0, None, False, names, vocab)
+                params.k_max or 0, None, False, names, vocab, _row_values(params))
         by_key.setdefault((params.mode, row[0], row[1]), []).append((position, row))
     groups = []
     for (mode, family, fixed), members in by_key.items():
@@ -366,9 +412,8 @@ def plan_requests(requests: Sequence[tuple[int, object]], *, batch: int, vocab: 
         every = positions == list(range(batch))
         rows = None if every else _to_device(positions, torch.long, device)
         groups.append(_group(family, mode, fixed, rows, len(members),
-                             [r[2] for _, r in members], [r[3] for _, r in members],
-                             [r[4] for _, r in members], [r[5] for _, r in members],
-                             device, None, vocab, host_rows=tuple(positions)))
+                             [row for _, row in members], device, None, vocab,
+                             host_rows=tuple(positions)))
     scale = temperature = None
     if temperatures is not None and any(t != 1.0 for t in temperatures):
         scale = _to_device([1.0 / t for t in temperatures], torch.float32, device)
@@ -393,9 +438,10 @@ def _per_row(values: list, dtype: torch.dtype, device: torch.device, uniform: bo
 
 
 def _group(family: Family, mode: str, fixed: bool, rows: Tensor | None, count: int,
-           alphas: list, lams: list, sizes: list, caps: list, device: torch.device,
-           generator, vocab: int, uniform: bool = False,
-           host_rows: tuple[int, ...] | None = None) -> Group:
+           members: list[Row], device: torch.device, generator, vocab: int,
+           uniform: bool = False, host_rows: tuple[int, ...] | None = None) -> Group:
+    alphas, lams, sizes, caps = ([row[i] for row in members] for i in range(2, 6))
+    extra = {name: [row[6][i] for row in members] for i, name in enumerate(ROW_FIELDS)}
     capped = any(c > 0 for c in caps)
     if fixed:
         width = max(1, max(sizes))
@@ -409,15 +455,15 @@ def _group(family: Family, mode: str, fixed: bool, rows: Tensor | None, count: i
     iterations = newton_iterations(family, alphas) if family in ITERATIVE_FAMILIES else 0
     below = family == Family.POWER and any(a < 2.0 for a in alphas)
     above = family == Family.POWER and any(a > 2.0 for a in alphas)
+    host = {"alpha": alphas, "lam": lams, "size": sizes, "cap": caps, **extra}
+    values = {name: _per_row(host[name], ROW_DTYPES[name], device, uniform)
+              for name in ("alpha", "lam", "size", *ROW_FIELDS)}
     return Group(
-        family=family, mode=mode, fixed=fixed, rows=rows, count=count,
-        alpha=_per_row(alphas, torch.float64, device, uniform),
-        lam=_per_row(lams, torch.float64, device, uniform),
-        size=_per_row(sizes, torch.long, device, uniform),
+        family=family, mode=mode, fixed=fixed, rows=rows, count=count, values=values,
         capped=capped, width=width, bounded=bounded, iterations=iterations,
-        below_two=below, above_two=above, generator=generator,
-        host={"alpha": alphas, "lam": lams, "size": sizes, "cap": caps},
+        below_two=below, above_two=above, generator=generator, host=host,
         host_rows=None if rows is None else host_rows,
     )
+
 
 

@@ -33,6 +33,7 @@ import math
 
 import torch
 
+from .families import Family
 from .numerics import log_expm1, logsumexp_masked
 from .roots import safeguarded_newton
 
@@ -99,6 +100,13 @@ def argmax_fill_log_renorm(log_p: Tensor, mask: Tensor, log_deficit: Tensor) -> 
     shift = (log_deficit - torch.log(count)).unsqueeze(-1)
     out = torch.where(tied, torch.logaddexp(log_p, shift), log_p)
     return torch.where(mask, out, -math.inf)
+
+
+def closed_log_renorm(family: Family, log_p: Tensor, mask: Tensor, log_deficit: Tensor,
+                      k: Tensor) -> Tensor:
+    """The map of a closed-form ``family`` (`families.CLOSED_FORM_FAMILIES`): the one dispatch
+    from a family to its closed form, used by the fixed-shape window and the exact path."""
+    return _CLOSED[family](log_p, mask, log_deficit, k)
 
 
 def _softplus(x: Tensor) -> Tensor:
@@ -201,3 +209,13 @@ def newton_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
         delta = safeguarded_newton(top_equation, start, low, high)
         out[i] = _normalized(_top_log_q(lpi, fin, b, delta), mask[i])
     return out
+
+
+#: Arguments: log p, support mask, log R, k.
+_CLOSED = {
+    Family.KL: lambda lp, mk, ld, kk: kl_log_renorm(lp, mk),
+    Family.THREE_HALVES: three_halves_log_renorm,
+    Family.SQUARE: square_log_renorm,
+    Family.WATER: lambda lp, mk, ld, kk: water_filling_log_renorm(lp, mk, ld),
+    Family.ARGMAX: lambda lp, mk, ld, kk: argmax_fill_log_renorm(lp, mk, ld),
+}

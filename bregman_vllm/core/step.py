@@ -39,6 +39,7 @@ import logging
 import math
 import os
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -47,8 +48,24 @@ import torch
 from .candidates import UNBOUNDED, Candidates, candidates, cut, log_smallest, select
 from .exact import MEMORY_BUDGET, decode_exact, exact_plan
 from .families import CLOSED_GAP_FAMILIES, ITERATIVE_FAMILIES, Family
-from .plan import WIDE_WINDOW, WINDOW, Group, Joint, Plan
-from .window import Decoded, closed_map, closed_search, iterative_fixed, iterative_search
+from .plan import (
+    DEFAULT_ROW_VALUES,
+    ROW_DTYPES,
+    ROW_FIELDS,
+    WIDE_WINDOW,
+    WINDOW,
+    Group,
+    Joint,
+    Plan,
+)
+from .window import (
+    Decoded,
+    closed_map,
+    closed_search,
+    iterative_fixed,
+    iterative_search,
+    support_range,
+)
 from .write import output_values, write_support
 
 Tensor = torch.Tensor
@@ -183,7 +200,7 @@ def _start(scores: Tensor, owner: Group | Joint, plan: Plan, logits: bool, inpla
     chunk = max(1, MEMORY_BUDGET // (static.width * _WIDE_BYTES_PER_ENTRY))
     if source.shape[0] > chunk:
         return _chunked(owner, static, source, logits, scale, temperature, chunk, inplace)
-    window = _fast(source, static, owner.alpha, owner.lam, owner.size, logits, scale, owner)
+    window = _fast(source, static, owner.values, logits, scale, owner)
     return _Pass(owner, owner.rows, source, scale, temperature, window.k, window=window)
 
 
@@ -192,14 +209,12 @@ def _window_pass(source: Tensor, joint: Joint, logits: bool, scale: Tensor | Non
     if "static" not in joint.derived:  # once per plan
         joint.derived["static"] = _JointStatic(
             tuple(_Static.of(group) for group in joint.groups), joint.width)
-        joint.derived["values"] = tuple(
-            tuple(getattr(group, name) for group in joint.groups)
-            for name in ("alpha", "lam", "size"))
+        joint.derived["values"] = tuple(group.values for group in joint.groups)
     compiled = _compiled_window(joint, source, logits, scale)
     if compiled is not None:
         return compiled
     static = joint.derived["static"]
-    args = (joint.positions, *joint.derived["values"], logits, scale)
+    args = (joint.positions, joint.derived["values"], logits, scale)
     return _Window(*joint_groups(source, static, *args))
 
 
@@ -255,12 +270,12 @@ class _JointStatic:
     width: int
 
 
-def fixed_shape_group(rows: Tensor, static: _Static, alpha, lam, size, logits: bool,
+def fixed_shape_group(rows: Tensor, static: _Static, values: Mapping, logits: bool,
                       scale: Tensor | None):
-    """Step 1 for one group: a fixed sequence of ops on fixed shapes, no host sync, no write.
-    Returns the fields of `_Window`."""
+    """Step 1 for one group (``values``: its per-row values, `plan.Group.values`): a fixed
+    sequence of ops on fixed shapes, no host sync, no write. Returns the fields of `_Window`."""
     cand = candidates(rows, static.width, logits=logits, scale=scale)
-    decoded = _support_and_map(cand, static, alpha, lam, size)
+    decoded = _support_and_map(cand, static, values)
     needs = None if decoded.uncertain is None else decoded.uncertain & cand.valid
     return (cand.index[:, : decoded.log_q.shape[-1]], decoded.log_q, decoded.k * cand.valid,
             cand.valid, needs, decoded.past)
@@ -276,8 +291,7 @@ def _may_flag(static: _Static) -> bool:
 
 
 def joint_groups(rows: Tensor, joint: _JointStatic, positions: tuple[Tensor, ...],
-                 alphas: tuple, lams: tuple, sizes: tuple, logits: bool,
-                 scale: Tensor | None):
+                 values: tuple[Mapping, ...], logits: bool, scale: Tensor | None):
     """Step 1 for several groups in one pass: one candidate set of ``joint.width`` for all
     ``rows``, each group's support and map on its own rows' candidates (``positions``: the
     group's rows within ``rows``). A fixed sequence of ops on fixed shapes, no host sync.
@@ -291,8 +305,7 @@ def joint_groups(rows: Tensor, joint: _JointStatic, positions: tuple[Tensor, ...
     past = torch.zeros(n, dtype=torch.bool, device=rows.device) if flags else None
     for i, static in enumerate(joint.statics):
         where = positions[i]
-        decoded = _support_and_map(select(cand, where, static.width), static, alphas[i],
-                                   lams[i], sizes[i])
+        decoded = _support_and_map(select(cand, where, static.width), static, values[i])
         short = width - decoded.log_q.shape[-1]
         rows_log_q = decoded.log_q if short == 0 else \
             torch.nn.functional.pad(decoded.log_q, (0, short), value=-math.inf)
@@ -307,7 +320,7 @@ def joint_groups(rows: Tensor, joint: _JointStatic, positions: tuple[Tensor, ...
             None if needs is None else needs & cand.valid, past)
 
 
-def _support_and_map(cand: Candidates, static: _Static, alpha, lam, size) -> Decoded:
+def _support_and_map(cand: Candidates, static: _Static, values: Mapping) -> Decoded:
     """The support size and the map on the candidates. Iterative families whose every support
     fits the first window (adaptive groups with `Group.bounded`, fixed sizes up to `WINDOW`)
     take the fixed Newton iterations' answer as final without computing their certificates
@@ -316,6 +329,7 @@ def _support_and_map(cand: Candidates, static: _Static, alpha, lam, size) -> Dec
     them and requires it). Elsewhere a row the window may not hold still goes to the exact
     path."""
     family = static.family
+    alpha, size = values["alpha"], values["size"]
     if static.fixed:
         # (at least 1: a row that is not a distribution has no positive entry, and is never
         # written; at most the width: the compiled pass runs every family on every row)
@@ -326,17 +340,13 @@ def _support_and_map(cand: Candidates, static: _Static, alpha, lam, size) -> Dec
                                    static.below_two, static.above_two,
                                    certify=_may_flag(static))
         return Decoded(k, closed_map(family, cand, k, static.width), None)
-    if not static.capped:
-        limit = cand.known
-    elif isinstance(size, Tensor):
-        limit = torch.minimum(cand.known, size)
-    else:
-        limit = cand.known.clamp_max(size)
+    low, limit = support_range(cand, values, static.capped)
     if family in CLOSED_GAP_FAMILIES:
-        return closed_search(family, cand, lam, limit, static.width, static.bounded)
-    return iterative_search(family, cand, alpha, lam, limit, static.width, static.iterations,
-                            static.bounded, static.below_two, static.above_two,
-                            certify=_may_flag(static))
+        return closed_search(family, cand, values["lam"], limit, static.width, static.bounded,
+                             low=low)
+    return iterative_search(family, cand, alpha, values["lam"], limit, static.width,
+                            static.iterations, static.bounded, static.below_two,
+                            static.above_two, certify=_may_flag(static), low=low)
 
 
 #: Peak bytes per (row, candidate) of a fixed-k group (measured: 59 for dual 3/2, k = 20000).
@@ -359,9 +369,8 @@ def _chunked(group: Group, static: _Static, source: Tensor, logits: bool,
         part = source[piece]
         part_scale = None if scale is None else scale[piece]
         part_temperature = None if temperature is None else temperature[piece]
-        window = _Window(*fixed_shape_group(
-            part, static, _rows_of(group.alpha, piece), _rows_of(group.lam, piece),
-            _rows_of(group.size, piece), logits, part_scale))
+        values = {name: _rows_of(value, piece) for name, value in group.values.items()}
+        window = _Window(*fixed_shape_group(part, static, values, logits, part_scale))
         keep = window.valid
         if window.needs is not None and bool(window.needs.any()):  # (a sync per chunk)
             redo = window.needs.nonzero().squeeze(-1)
@@ -441,8 +450,9 @@ def _exact_inputs(group: Group, device: torch.device, piece: slice | None = None
     size = per_row("size", torch.long)
     cap = per_row("cap", torch.long)
     fixed = size if group.fixed else torch.zeros_like(size)
+    values = {name: per_row(name, ROW_DTYPES[name]) for name in ROW_FIELDS}
     return exact_plan(group.mode, alpha, lam, fixed, cap, group.generator,
-                      None if group.generator is not None else group.family)
+                      None if group.generator is not None else group.family, values)
 
 
 def _unfinished(p: _Pass) -> int:
@@ -551,13 +561,13 @@ _CODES = {family: code for code, family in enumerate(Family)}
 
 
 def universal_pass(rows: Tensor, width: int, logits: bool, scale: Tensor, family: Tensor,
-                   fixed: Tensor, alpha: Tensor, lam: Tensor, size: Tensor, flags: Tensor):
+                   fixed: Tensor, flags: Tensor, values: dict[str, Tensor]):
     """Step 1 for rows of any families of one window class, as one fixed-shape computation: one
     candidate set, every family's support and map on every row (`_support_and_map`; the
     families' own results are selected per row by ``family`` (codes of `Family`) and ``fixed``),
     certificates where ``flags`` says the row's group may be uncertified (`_may_flag`). Per-row
-    tensors only, so neither batch sizes nor parameter values are part of the graph. Returns
-    the fields of `_Window`."""
+    tensors only (``values``: a column per name of `plan.Group.values`), so neither batch sizes
+    nor parameter values are part of the graph. Returns the fields of `_Window`."""
     cand = candidates(rows, width, logits=logits, scale=scale)
     n = rows.shape[0]
     log_q = cand.x.new_full((n, width), -math.inf)
@@ -569,8 +579,9 @@ def universal_pass(rows: Tensor, width: int, logits: bool, scale: Tensor, family
         chosen = (family == _CODES[member]) & (fixed == is_fixed)
         static = _Static(member, is_fixed, True, False, window,
                          _COMPILED_ITERATIONS.get(member, 0), True, True)
-        a = torch.where(chosen, alpha, _SAFE_ALPHA) if member == Family.POWER else alpha
-        decoded = _support_and_map(narrow if window < width else cand, static, a, lam, size)
+        member_values = values if member != Family.POWER else \
+            {**values, "alpha": torch.where(chosen, values["alpha"], _SAFE_ALPHA)}
+        decoded = _support_and_map(narrow if window < width else cand, static, member_values)
         short = width - decoded.log_q.shape[-1]
         member_log_q = decoded.log_q if short == 0 else \
             torch.nn.functional.pad(decoded.log_q, (0, short), value=-math.inf)
@@ -583,9 +594,9 @@ def universal_pass(rows: Tensor, width: int, logits: bool, scale: Tensor, family
     return (cand.index, log_q, k * cand.valid, cand.valid, needs & flags & cand.valid, past)
 
 
-def _universal_entry(rows, scale, family, fixed, alpha, lam, size, flags):
-    return universal_pass(rows, WIDTH, LOGITS, scale, family, fixed, alpha,  # noqa: F821
-                          lam, size, flags)
+def _universal_entry(rows, scale, family, fixed, flags, values):
+    return universal_pass(rows, WIDTH, LOGITS, scale, family, fixed, flags,  # noqa: F821
+                          values)
 
 
 _GRAPHS: dict[tuple, object] = {}  # (device type, dtype, vocab, width, logits) -> a pass
@@ -651,7 +662,7 @@ def warm_up(device: torch.device | str, vocab: int, *, dtype: torch.dtype = torc
                 for n in (2, 1):  # (sizes 0 and 1 are specialized: 1 has a graph of its own)
                     inputs = _dummy(n, vocab, device, dtype, logits)
                     if n > 1:
-                        for tensor in inputs:
+                        for tensor in (*inputs[:-1], *inputs[-1].values()):
                             torch._dynamo.mark_dynamic(tensor, 0)
                     graph(*inputs)
             kernels = count_kernels(sources[:1])
@@ -708,17 +719,20 @@ def count_kernels(sources: list[str]) -> int:
 
 
 def _dummy(n: int, vocab: int, device: torch.device, dtype: torch.dtype, logits: bool
-           ) -> tuple[Tensor, ...]:
+           ) -> tuple:
     g = torch.Generator().manual_seed(n)
     rows = (torch.randn(n, vocab, generator=g) * 4).to(device, dtype)
     if not logits:
         rows = torch.softmax(rows.float(), -1).to(dtype)
     long = dict(dtype=torch.long, device=device)
+    values = {"alpha": torch.full((n,), 1.5, dtype=torch.float64, device=device),
+              "lam": torch.full((n,), 0.01, dtype=torch.float64, device=device),
+              "size": torch.full((n,), UNBOUNDED, **long)}
+    for name, default in zip(ROW_FIELDS, DEFAULT_ROW_VALUES, strict=True):
+        values[name] = torch.full((n,), default, dtype=ROW_DTYPES[name], device=device)
     return (rows, torch.ones(n, device=device), torch.zeros(n, **long),
             torch.zeros(n, dtype=torch.bool, device=device),
-            torch.full((n,), 1.5, dtype=torch.float64, device=device),
-            torch.full((n,), 0.01, dtype=torch.float64, device=device),
-            torch.full((n,), UNBOUNDED, **long), torch.ones(n, dtype=torch.bool, device=device))
+            torch.ones(n, dtype=torch.bool, device=device), values)
 
 
 def _graphs_ready(scores: Tensor, logits: bool) -> bool:
@@ -740,51 +754,56 @@ def _compiled_window(owner: Group | Joint, rows: Tensor, logits: bool, scale: Te
     graph = _GRAPHS.get(key)
     if graph is None:
         return None
-    values = _rowwise(owner, rows.device)
+    family, fixed, flags, values, unit = _rowwise(owner, rows.device)
     if scale is None:
-        scale = values[-1]
+        scale = unit
     try:
         with torch.compiler.set_stance("fail_on_recompile"):
-            return _Window(*graph(rows, scale, *values[:-1]))
+            return _Window(*graph(rows, scale, family, fixed, flags, values))
     except Exception:
         _warn_once("recompile", "a compiled Bregman pass would have recompiled inside a "
                    "decoding step; that pass runs eagerly")
         return None
 
 
-def _rowwise(owner: Group | Joint, device: torch.device) -> tuple[Tensor, ...]:
-    """Per-row family code, fixed flag, alpha, lambda, size, may-flag and a unit scale of a
-    pass's rows, for `universal_pass`: made once per plan."""
+def _rowwise(owner: Group | Joint, device: torch.device) -> tuple:
+    """Per-row family code, fixed flag and may-flag, a column per name of the groups'
+    ``values`` (`plan.Group.values`) and a unit scale of a pass's rows, for `universal_pass`:
+    made once per plan."""
     cached = owner.derived.get("rowwise")
     if cached is not None:
         return cached
     pairs = [(owner, None)] if isinstance(owner, Group) else \
         list(zip(owner.groups, owner.positions, strict=True))
     n = sum(group.count for group, _ in pairs)
-    columns = [torch.empty(n, dtype=dtype, device=device)
-               for dtype in (torch.long, torch.bool, torch.float64, torch.float64, torch.long,
-                             torch.bool)]
+    names = tuple(pairs[0][0].values)
+    codes = torch.empty(n, dtype=torch.long, device=device)
+    fixed = torch.empty(n, dtype=torch.bool, device=device)
+    flags = torch.empty(n, dtype=torch.bool, device=device)
+    values = {name: torch.empty(n, dtype=ROW_DTYPES[name], device=device) for name in names}
     for group, where in pairs:
         flag = _may_flag(_Static.of(group))
-        values = (_CODES[group.family], group.fixed, group.alpha, group.lam, group.size, flag)
-        for column, value in zip(columns, values, strict=True):
+        columns = ((codes, _CODES[group.family]), (fixed, group.fixed), (flags, flag),
+                   *((values[name], group.values[name]) for name in names))
+        for column, value in columns:
             value = torch.as_tensor(value, dtype=column.dtype, device=device).expand(
                 group.count)
             if where is None:
                 column.copy_(value)
             else:
                 column.index_copy_(0, where, value)
-    cached = owner.derived["rowwise"] = (*columns, torch.ones(n, device=device))
+    cached = owner.derived["rowwise"] = (codes, fixed, flags, values,
+                                         torch.ones(n, device=device))
     return cached
 
 
-def _fast(rows: Tensor, static: _Static, alpha, lam, size, logits: bool,
+def _fast(rows: Tensor, static: _Static, values: Mapping, logits: bool,
           scale: Tensor | None, owner: Group | None = None) -> _Window:
     if owner is not None:
         compiled = _compiled_window(owner, rows, logits, scale)
         if compiled is not None:
             return compiled
-    return _Window(*fixed_shape_group(rows, static, alpha, lam, size, logits, scale))
+    return _Window(*fixed_shape_group(rows, static, values, logits, scale))
 
 
 def step_memory_bound(batch: int, vocab: int, dtype: torch.dtype = torch.float32) -> int:

@@ -38,6 +38,7 @@ stationary in w at the solution, so a Newton residual enters it only to second o
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -46,13 +47,7 @@ from .candidates import Candidates, _arange
 from .dual import quadratic_root
 from .families import Family
 from .gaps import closed_form_gaps
-from .primal import (
-    argmax_fill_log_renorm,
-    kl_log_renorm,
-    square_log_renorm,
-    three_halves_log_renorm,
-    water_filling_log_renorm,
-)
+from .primal import closed_log_renorm
 
 Tensor = torch.Tensor
 Scalar = float | Tensor  # a Python number, or one value per row ([n])
@@ -102,6 +97,23 @@ def support_log(q: Tensor) -> Tensor:
     return torch.log(q / q.sum(-1, keepdim=True))
 
 
+def support_range(cand: Candidates, values: Mapping, capped: bool = True
+                  ) -> tuple[Tensor | None, Tensor]:
+    """The support sizes an adaptive row's k* may take, [low, limit], from the row's values
+    (`plan.Group.values`, `exact.ExactPlan.values`): limit = min(cap, number of positive
+    entries) (``values["size"]``: the cap, `candidates.UNBOUNDED` for none; ``capped`` False:
+    no row has one); low None: 1. The one place both searches (this window's and the exact
+    path's) read the bounds of their sizes from the parameters."""
+    size = values["size"]
+    if not capped:
+        limit = cand.known
+    elif isinstance(size, Tensor):
+        limit = torch.minimum(cand.known, size)
+    else:
+        limit = cand.known.clamp_max(size)
+    return None, limit
+
+
 def _beyond_window(k: Tensor, limit: Tensor, window: int) -> Tensor:
     """k* ran into the end of the window and the row could grow past it."""
     return (k >= window) & (limit > window)
@@ -121,28 +133,29 @@ def closed_gaps(family: Family, x: Tensor, deficit: Tensor) -> Tensor:
 def closed_map(family: Family, cand: Candidates, k: Tensor, width: int) -> Tensor:
     """log T_k on the first ``width`` candidates for the closed-form families: the maps of
     `primal` (eq. (1) and Proposition 4.1), applied to the candidates."""
-    log_x = cand.log_x[:, :width]
-    inside = _arange(width, log_x.device) < k.unsqueeze(-1)
+    inside = _arange(width, cand.x.device) < k.unsqueeze(-1)
     log_deficit = torch.log(torch.gather(cand.deficit, 1, (k - 1).unsqueeze(-1)).squeeze(-1))
-    if family == Family.KL:
-        return kl_log_renorm(log_x, inside)
-    if family == Family.SQUARE:
-        return square_log_renorm(log_x, inside, log_deficit, k)
-    if family == Family.THREE_HALVES:
-        return three_halves_log_renorm(log_x, inside, log_deficit, k)
-    if family == Family.WATER:
-        return water_filling_log_renorm(log_x, inside, log_deficit)
-    return argmax_fill_log_renorm(log_x, inside, log_deficit)
+    return closed_log_renorm(family, cand.log_x[:, :width], inside, log_deficit, k)
 
 
-def closed_search(family: Family, cand: Candidates, lam: Scalar, limit: Tensor, window: int,
-                  bounded: bool) -> Decoded:
-    """Adaptive k* for a closed-form family over sizes 1 .. window."""
+def closed_sizes(family: Family, cand: Candidates, lam: Scalar, limit: Tensor, window: int,
+                 low: Tensor | None = None) -> Tensor:
+    """The first size in low .. window - 1 whose closed-form gap is at most lambda or that
+    reaches ``limit``, else ``window``: k* of a closed-form family over these candidates (the
+    window's search and the exact path's rounds both use it)."""
     x, deficit = cand.x[:, :window], cand.deficit[:, :window]
     gaps = closed_gaps(family, x, deficit)
     sizes = _arange(window + 1, x.device)[1:window]
     stop = (gaps <= column(lam)) | (sizes >= limit.unsqueeze(-1))
-    k = first_stop(stop, window)
+    if low is not None:
+        stop &= sizes >= low.unsqueeze(-1)
+    return first_stop(stop, window)
+
+
+def closed_search(family: Family, cand: Candidates, lam: Scalar, limit: Tensor, window: int,
+                  bounded: bool, *, low: Tensor | None = None) -> Decoded:
+    """Adaptive k* for a closed-form family over sizes low .. window (`support_range`)."""
+    k = closed_sizes(family, cand, lam, limit, window, low)
     uncertain = None if bounded else _beyond_window(k, limit, window)
     # Closed forms are exact up to rounding: a row past the window saw G(k) > lambda for every
     # k < window.
@@ -287,11 +300,12 @@ def _solve(family: Family, cand: Candidates, deficit: Tensor, sizes: Tensor, mas
 def iterative_search(family: Family, cand: Candidates, alpha: Scalar, lam: Scalar,
                      limit: Tensor, window: int, iterations: int, bounded: bool,
                      below_two: bool = False, above_two: bool = True, *,
-                     certify: bool = True) -> Decoded:
+                     certify: bool = True, low: Tensor | None = None) -> Decoded:
     """Adaptive k* for POWER and the dual quadratic families: T_k for k = 1 .. window at
     once, the gaps from H, and (with ``certify``) the certificate: convergence up to the
     limit, decisions clear of the rounding bound of H differences, k* inside the window
-    unless ``bounded``. Without ``certify`` nothing is flagged (``uncertain`` is None)."""
+    unless ``bounded``. Without ``certify`` nothing is flagged (``uncertain`` is None).
+    ``low``: the smallest size allowed (`support_range`; None: 1)."""
     device = cand.x.device
     sizes = _arange(window + 1, device, torch.float64)[1:]
     mask = _triangle(window, device)
@@ -303,6 +317,8 @@ def iterative_search(family: Family, cand: Candidates, alpha: Scalar, lam: Scala
     count = _arange(window + 1, device)[1:]
     below = count[:-1] < limit.unsqueeze(-1)  # sizes whose gap may decide k*
     stop = (drop <= threshold) | ~below
+    if low is not None:
+        stop &= count[:-1] >= low.unsqueeze(-1)
     k = first_stop(stop, window)
     pick = (k - 1).view(-1, 1, 1).expand(-1, 1, window)
     log_q = support_log(torch.gather(solved.q, 1, pick).squeeze(1))

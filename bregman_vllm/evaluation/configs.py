@@ -80,7 +80,7 @@ class DecodingConfig:
             return {"top_k": self.top_k}
         params = BregmanParams(mode=self.mode or "primal", alpha=float(self.alpha),
                                lam=float(self.lam or 0.0), top_k=self.top_k, k_max=self.k_max)
-        return params.validated().to_request()
+        return params.to_request()
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
