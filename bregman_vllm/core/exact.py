@@ -229,7 +229,7 @@ def _window_exceeds(family: Family | None, mode: str, cand: Candidates, start: T
 
 
 #: Probes per row guided by the gap floor (`_floor_sizes`) before the search only bisects.
-MODEL_PROBES = 6
+MODEL_PROBES = 10
 #: A bracket this narrow is decided by one probe of all its sizes.
 FINAL_WINDOW = 8
 
@@ -296,7 +296,7 @@ def _search(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
     `MODEL_PROBES` probes of the two sizes around the floor's guess of k* (`_model_guess`,
     the floor scaled by the ratio G / floor the row's probes measured; rows whose low comes
     from the floor (``raised``) start with ratio 1: a probe at low itself), then bisection: at
-    most MODEL_PROBES + log2(high - low) + 1 probes, two or three where the floor tracks G (it
+    most MODEL_PROBES + 2 log2(high - low) + 1 probes, a few where the floor tracks G (it
     does on every row measured). Without a floor (a user generator): galloping (m = low,
     low + 1, low + 3, ...) and bisection, O(log k*) probes. All rows advance together; each
     probe runs only on the rows still searching.
