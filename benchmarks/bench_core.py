@@ -453,13 +453,13 @@ def extremes_table(args, device: str) -> None:
                                   f"{'old ops x':>9}" if old else ""))
         default_kwargs = EXTREMES["default primal a=1.5 lam=1e-2"]
         default_call = lambda logits=logits: bregman_decode_logits(  # noqa: E731
-            logits, **default_kwargs)
+            logits, **EXTREMES["default primal a=1.5 lam=1e-2"])
         default_call()  # (counted after a first call, like every case: after its own)
         base_work = work(default_call)
         old_base = None
         if old is not None:
             old(logits, **default_kwargs)
-            old_base = work(lambda: old(logits, **default_kwargs))
+            old_base = work(lambda logits=logits, kwargs=default_kwargs: old(logits, **kwargs))
         worst, worst_work = ("", 0.0), ("", 0.0)
         defaults: list[float] = []
         for name, kwargs in {**EXTREMES, **REFUSED}.items():

@@ -287,8 +287,8 @@ def _measured(probed: _Probed, rows: Tensor, sizes: Tensor, exceeds: Tensor, log
 
 def _search(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, lam: Tensor,
             low: Tensor, high: Tensor, generator: BregmanGenerator | None = None,
-            raised: Tensor | None = None, log_floor: Tensor | None = None
-            ) -> tuple[Tensor, Tensor, Tensor]:
+            raised: Tensor | None = None, log_floor: Tensor | None = None,
+            open_end: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Smallest k in [low, high] with G(k) <= lambda, where G(high) <= lambda is taken as given.
 
     Rows starting at low = 1: one window probe decides G(1 .. WINDOW) at once (k* is usually
@@ -301,10 +301,18 @@ def _search(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
     low + 1, low + 3, ...) and bisection, O(log k*) probes. All rows advance together; each
     probe runs only on the rows still searching.
 
-    Returns (k*, log T_k* for the rows the window resolved ([n, W]), which rows those are).
+    ``open_end``: rows whose high is the end of the candidates, not a real boundary (k* may
+    lie past it): once their probes put the floor's guess past the candidates, they stop with
+    the lower bound their probes certified (``left``), for a wider round to go on from.
+
+    Returns (k*, or for the rows that stopped (``left``) the certified lower bound, log T_k*
+    for the rows the window resolved ([n, W]), which rows those are, ``left``).
     """
     low, high = low.clone(), high.clone()
     raised = torch.zeros_like(low, dtype=torch.bool) if raised is None else raised
+    left = torch.zeros_like(low, dtype=torch.bool)
+    certified = torch.zeros_like(low)
+    open_end = left if open_end is None else open_end
     cache = torch.empty(low.shape[0], 0, dtype=cand.log_x.dtype, device=low.device)
     cached = torch.zeros_like(low, dtype=torch.bool)
     guided = raised.clone() if log_floor is not None else torch.zeros_like(raised)
@@ -345,7 +353,7 @@ def _search(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
     while True:
         active = (low < high).nonzero().squeeze(-1)
         if active.numel() == 0:
-            return low, cache, cached
+            return torch.where(left, certified, low), cache, cached, left
         lo, hi = low[active], high[active]
         gal = galloping[active]
         model = guided[active] & (tries[active] < MODEL_PROBES)
@@ -356,6 +364,18 @@ def _search(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
                                  log_lam[active], lo)
             # The two sizes around the guess (k* = guess when G(guess - 1) > lambda >= G(guess));
             # the first probe of rows raised by the floor: the floor's size alone (often k*).
+            # Past the candidates, after a probe measured the ratio: a wider round's (exact:
+            # it starts at the low certified here).
+            leave = model & (guess >= width) & open_end[active] & (probed.k_last[active] > 0)
+            if bool(leave.any()):
+                rows = active[leave]
+                left[rows], certified[rows] = True, lo[leave]
+                low[rows] = high[rows]
+                keep = (~leave).nonzero().squeeze(-1)
+                if keep.numel() == 0:
+                    continue
+                active, lo, hi, gal, model, guess, m = (
+                    t[keep] for t in (active, lo, hi, gal, model, guess, m))
             count = 2 if bool((model & (probed.k_last[active] > 0)).any()) else 1
             m = torch.where(model, (guess - count + 1).clamp(lo, hi - 1), m)
         span = int((hi - lo).max())
@@ -454,6 +474,7 @@ def _support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor)
         sub = take(cand, adaptive)
         a, lm = alpha[adaptive], lam[adaptive]
         raised = torch.zeros_like(bounded)
+        left = torch.zeros_like(bounded)  # rows the search left for a wider round
         log_floor = None
         closed = plan.family in CLOSED_GAP_FAMILIES  # every gap of the round at once
         if plan.generator is None and not closed:
@@ -470,15 +491,15 @@ def _support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor)
             stop &= sizes >= lo.unsqueeze(-1)
             found = torch.minimum(torch.where(stop, sizes, width).amin(-1), upper)
         else:
-            found, maps, have = _search(plan.family, plan.mode, sub, a, lm, lo, upper,
-                                        plan.generator, raised, log_floor)
+            found, maps, have, left = _search(plan.family, plan.mode, sub, a, lm, lo, upper,
+                                              plan.generator, raised, log_floor, ~bounded)
             cache = torch.full((k.shape[0], maps.shape[-1]), -math.inf, dtype=maps.dtype,
                                device=maps.device)
             cache[adaptive] = maps
             cached[adaptive] = have
         k[adaptive] = found
         # Certified unless the search ran into the end of the candidate set without a boundary.
-        done[adaptive] = (found < width) | bounded
+        done[adaptive] = ((found < width) | bounded) & ~left
     return Decoded(k, cache, ~done, computed=cached)
 
 
@@ -572,7 +593,8 @@ def _round(scores: Tensor, plan: ExactPlan, now: Tensor, width: int, low: Tensor
         log_q = _final_maps(plan, sub, k[fin], plan.alpha[rows], cache[fin], cached[fin])
         _finish(sink, rows, sub.index[:, : log_q.shape[-1]], log_q, k[fin])
     again = (~done).nonzero().squeeze(-1)
-    low[now[again]] = width  # G(k) > lambda for every k < width
+    # G(k) > lambda for every k < width, or below the bound where the search left the round
+    low[now[again]] = torch.minimum(k[again], torch.full_like(k[again], width))
     return now[again]
 
 
