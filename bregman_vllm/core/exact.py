@@ -384,14 +384,28 @@ def _search(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
         count = min(count, width - 1)
         m = torch.minimum(m, torch.full_like(m, width - count))  # T_(m + count) exists
         sub = take(cand, active)
-        exceeds, _, log_gap = _window_exceeds(family, mode, sub, m, count, alpha[active],
-                                              lam[active], generator)
+        exceeds, maps, log_gap = _window_exceeds(family, mode, sub, m, count, alpha[active],
+                                                 lam[active], generator)
         sizes = m.unsqueeze(-1) + torch.arange(count, device=m.device)
         inside = (sizes >= lo.unsqueeze(-1)) & (sizes < hi.unsqueeze(-1))
         # G is nonincreasing: the sizes that exceed raise low, the first that stops lowers high.
-        low[active] = torch.maximum(lo, torch.where(exceeds & inside, sizes + 1, 0).amax(-1))
+        found = torch.maximum(lo, torch.where(exceeds & inside, sizes + 1, 0).amax(-1))
+        low[active] = found
         high[active] = torch.minimum(hi, torch.where(~exceeds & inside, sizes,
                                                      hi.unsqueeze(-1)).amin(-1))
+        # A probe that decided k* holds T_k* among its maps (T_m .. T_(m + count)): keep it
+        # for the output instead of solving it again.
+        offset = found - m
+        hit = (high[active] == found) & (offset >= 0) & (offset <= count)
+        if bool(hit.any()):
+            if cache.shape[-1] < maps.shape[-1]:
+                cache = torch.nn.functional.pad(cache, (0, maps.shape[-1] - cache.shape[-1]),
+                                                value=-math.inf)
+            rows = active[hit]
+            pick = offset[hit].view(-1, 1, 1).expand(-1, 1, maps.shape[-1])
+            cache[rows] = -math.inf
+            cache[rows, : maps.shape[-1]] = torch.gather(maps[hit], 1, pick).squeeze(1)
+            cached[rows] = True
         if log_floor is not None:
             _measured(probed, active, sizes, exceeds, log_gap, log_floor)
         tries[active] += 1
