@@ -362,8 +362,6 @@ def _search(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
         if bool(model.any()):
             guess = _model_guess(log_floor[active], _Probed(*(t[active] for t in probed)),
                                  log_lam[active], lo)
-            # The two sizes around the guess (k* = guess when G(guess - 1) > lambda >= G(guess));
-            # the first probe of rows raised by the floor: the floor's size alone (often k*).
             # Past the candidates, after a probe measured the ratio: a wider round's (exact:
             # it starts at the low certified here).
             leave = model & (guess >= width) & open_end[active] & (probed.k_last[active] > 0)
@@ -376,6 +374,8 @@ def _search(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
                     continue
                 active, lo, hi, gal, model, guess, m = (
                     t[keep] for t in (active, lo, hi, gal, model, guess, m))
+            # The two sizes around the guess (k* = guess when G(guess - 1) > lambda >= G(guess));
+            # the first probe of rows raised by the floor: the floor's size alone (often k*).
             count = 2 if bool((model & (probed.k_last[active] > 0)).any()) else 1
             m = torch.where(model, (guess - count + 1).clamp(lo, hi - 1), m)
         span = int((hi - lo).max())
