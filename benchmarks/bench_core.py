@@ -11,8 +11,9 @@ ratios to ``torch.softmax`` over the same [B, V] tensor:
 * worst cases: lambda = 0, lambda tiny on flat distributions (k* in the thousands), which grow
   the candidate set up to a full sort of the row;
 * extreme parameters (``--only extremes``): every end of every range of the parameter model
-  beside the default configuration on the same rows (the cost multiple), realistic and flat
-  rows, and with ``--baseline`` the old core's time (issue 18).
+  beside the default configuration on the same rows (the cost multiple: timed, and counted as
+  elements and launched ops against the bound ``WORK_BOUND``), realistic and flat rows, and
+  with ``--baseline`` the old core's time and counts (issue 18).
 
 Targets (this CPU): adaptive primal alpha = 1.5 at [64, 128256] within 3x one softmax pass; dual
 within 6x.
@@ -404,11 +405,37 @@ def _side_by_side(calls: list[Callable[[], object]], device: str, repeats: int
     return [statistics.median(sample) for sample in samples]
 
 
+#: The stated bound M on the counted work of one call over the default configuration's on the
+#: same rows (`work`: elements and launched ops, each within M times the default's). It holds
+#: for every case of this table at [4, 4096] (`tests/test_benchmarks.py` requires it there) and
+#: at [8, 49152] on realistic rows; not on flat [8, 49152] rows with a general dual alpha and k*
+#: in the tens of thousands (dual alpha 2.5, lambda 1e-12: about 2400x, docs/benchmarks.md).
+WORK_BOUND = 300.0
+
+
+def work(call: Callable[[], object]) -> tuple[int, int]:
+    """The counted work of one call (`bregman_vllm.diagnostics.DispatchCounter`, eager path):
+    elements (each launched op counted as the element count of its largest tensor) and launched
+    ops. Load-independent, unlike the times beside it."""
+    previous = os.environ.get("BREGMAN_COMPILE")
+    os.environ["BREGMAN_COMPILE"] = "0"
+    try:
+        with DispatchCounter() as counter:
+            call()
+    finally:
+        if previous is None:
+            os.environ.pop("BREGMAN_COMPILE", None)
+        else:
+            os.environ["BREGMAN_COMPILE"] = previous
+    return counter.elements, counter.launches
+
+
 def extremes_table(args, device: str) -> None:
     """One `bregman_decode_logits` call per extreme configuration, on realistic and on flat
-    rows, beside the default configuration on the same rows: the cost multiple (x default) and
-    whether the output is a distribution (no NaN). With ``--baseline``, the same call on the
-    old core, alternating with the new one."""
+    rows, beside the default configuration on the same rows: the cost multiple (x default: time;
+    work x: counted elements, ops x: counted launched ops, both over the default call's) and
+    whether the output is a distribution (no NaN, no inf). With ``--baseline``, the same call on
+    the old core, alternating with the new one, and its counted multiples."""
     from bregman_vllm import BregmanParamError
 
     batch, vocab = (int(x) for x in args.extremes_shape.lower().split("x"))
@@ -421,27 +448,42 @@ def extremes_table(args, device: str) -> None:
         logits = logits.to(device)
         print(f"\nextremes at [{batch}, {vocab}], {kind} rows (median ms, calls alternating "
               f"after a warm-up call; x default: over the default configuration on the same rows, "
-              f"the median of its calls in this table so far)")
-        print(f"{'case':<36} {'ms':>10} {'x default':>10} {'finite':>6}"
-              + (f" {'old ms':>10} {'new/old':>8}" if old else ""))
+              f"the median of its calls in this table so far; work x / ops x: counted elements / "
+              f"launched ops over the default call's, eager)")
+        print(f"{'case':<36} {'ms':>10} {'x default':>10} {'work x':>7} {'ops x':>6} "
+              f"{'finite':>6}" + (f" {'old ms':>10} {'new/old':>8} {'old work x':>10} "
+                                  f"{'old ops x':>9}" if old else ""))
+        default_kwargs = EXTREMES["default primal a=1.5 lam=1e-2"]
         default_call = lambda logits=logits: bregman_decode_logits(  # noqa: E731
             logits, **EXTREMES["default primal a=1.5 lam=1e-2"])
-        worst = ("", 0.0)
+        default_call()  # (counted after a first call, like every case: after its own)
+        base_work = work(default_call)
+        old_base = None
+        if old is not None:
+            old(logits, **default_kwargs)
+            old_base = work(lambda logits=logits, kwargs=default_kwargs: old(logits, **kwargs))
+        worst, worst_work = ("", 0.0), ("", 0.0)
         defaults: list[float] = []
         for name, kwargs in {**EXTREMES, **REFUSED}.items():
             call = lambda kwargs=kwargs, logits=logits: bregman_decode_logits(  # noqa: E731
                 logits, **kwargs)
             calls, line = [default_call], f"{name:<36}"
             try:
-                finite = not bool(torch.isnan(call()).any())
+                out = call()
+                finite = bool(torch.isfinite(torch.logsumexp(out.double(), -1)).all()) \
+                    and not bool(out.isnan().any()) and not bool(out.isposinf().any())
                 calls.append(call)
             except BregmanParamError:
-                line += f" {'refused (400)':>21} {'':>6}"
-            old_note = ""
+                line += f" {'refused (400)':>21} {'':>7} {'':>6} {'':>6}"
+            old_note, old_counts = "", ""
             if old is not None:
                 try:
                     nan = " NaN" if bool(torch.isnan(old(logits, **kwargs)).any()) else ""
-                    calls.append(lambda kwargs=kwargs, logits=logits: old(logits, **kwargs))
+                    old_call = lambda kwargs=kwargs, logits=logits: old(  # noqa: E731
+                        logits, **kwargs)
+                    calls.append(old_call)
+                    elements, launches = work(old_call)
+                    old_counts = f" {elements / old_base[0]:10.1f} {launches / old_base[1]:9.1f}"
                 except Exception as error:  # the old core's own refusal
                     old_note = f" {type(error).__name__:>10}"
             seconds = _side_by_side(calls, device, max(1, args.repeats // 2))
@@ -449,16 +491,22 @@ def extremes_table(args, device: str) -> None:
             default = statistics.median(defaults)  # (the default of every case so far)
             new = seconds[1] if len(calls) > 1 and calls[1] is call else None
             if new is not None:
-                line += f" {new * 1e3:10.2f} {new / default:10.1f} " \
-                        f"{'yes' if finite else 'NaN':>6}"
+                elements, launches = work(call)
+                multiple = (elements / base_work[0], launches / base_work[1])
+                line += f" {new * 1e3:10.2f} {new / default:10.1f} {multiple[0]:7.1f} " \
+                        f"{multiple[1]:6.1f} {'yes' if finite else 'NO':>6}"
                 if new / default > worst[1]:
                     worst = (name, new / default)
+                if max(multiple) > worst_work[1]:
+                    worst_work = (name, max(multiple))
             if old is not None and not old_note:
                 ratio = f"{new / seconds[-1]:8.2f}" if new is not None else f"{'':>8}"
-                old_note = f" {seconds[-1] * 1e3:10.1f} {ratio}{nan}"
+                old_note = f" {seconds[-1] * 1e3:10.1f} {ratio}{nan}{old_counts}"
             print(line + old_note, flush=True)
-        print(f"default {statistics.median(defaults) * 1e3:.2f} ms (median over the cases); "
-              f"worst multiple {worst[1]:.0f}x ({worst[0]})")
+        print(f"default {statistics.median(defaults) * 1e3:.2f} ms (median over the cases), "
+              f"{base_work[0] / 1e6:.2f} M elements, {base_work[1]} ops; worst time multiple "
+              f"{worst[1]:.0f}x ({worst[0]}); worst counted multiple {worst_work[1]:.1f}x "
+              f"({worst_work[0]}); bound M = {WORK_BOUND:.0f}x")
 
 
 def main() -> None:

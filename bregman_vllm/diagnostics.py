@@ -9,6 +9,9 @@ can be counted on the CPU by watching the ATen ops a call dispatches
   ``repeat_interleave`` without an output size, ``.tolist()``), tensors made from host data
   (``torch.tensor([...])``) and copies between the host and a device;
 * **launches**: every op that is not a view (on a GPU each one is at least one kernel launch);
+* **elements**: the work of those ops, each counted as the element count of the largest tensor
+  it reads or writes (a load-independent measure of a call's cost on a CPU, where the time of
+  a step is about launches x overhead + elements x time per element);
 * **passes** over the batch (with ``full``, the element count of the batch): ops that read a
   whole [n, V] tensor, and ops that write one (a new tensor or in place), one pass each; the
   time of a memory-bound GPU step is about passes x n x V x 4 bytes / bandwidth. Gathers and
@@ -128,6 +131,7 @@ class DispatchCounter(TorchDispatchMode):
         self.sync_ops: collections.Counter[str] = collections.Counter()
         self.launch_ops: collections.Counter[str] = collections.Counter()
         self.pass_ops: collections.Counter[str] = collections.Counter()
+        self.elements = 0
         self.full_tensors = 0
 
     @property
@@ -154,6 +158,9 @@ class DispatchCounter(TorchDispatchMode):
         if launch:
             self.launch_ops[name] += 1
         out = func(*args, **kwargs)
+        if launch:
+            self.elements += max((t.numel() for t in _tensors([*args, *kwargs.values(), out])),
+                                 default=0)
         if launch and self.full is not None:
             storages = {id(t.untyped_storage()) for t in _read(name, args, kwargs)
                         if self._is_full(t)}

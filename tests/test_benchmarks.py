@@ -57,8 +57,10 @@ def test_baseline_loader_imports_the_other_tree(tmp_path, monkeypatch):
 @pytest.mark.skipif(not _has_git_history(), reason="needs the git checkout (not a source copy)")
 def test_extreme_parameter_table_runs_and_every_case_decodes_to_a_distribution():
     """`bench_core.py --only extremes` (issue 18): every end of every range is decoded to a
-    finite distribution (the table's ``finite`` column), the refused values are refused, and
-    the old core runs beside it."""
+    finite distribution (the table's ``finite`` column: no NaN, no inf, normalized), the refused
+    values are refused, the old core runs beside it, and the counted work of every case
+    (elements and launched ops, `DispatchCounter`; load-independent, unlike its times) is at
+    most the stated multiple ``WORK_BOUND`` of the default configuration's on the same rows."""
     done = subprocess.run(
         [sys.executable, "benchmarks/bench_core.py", "--quick", "--only", "extremes",
          "--baseline", "HEAD"],
@@ -73,7 +75,12 @@ def test_extreme_parameter_table_runs_and_every_case_decodes_to_a_distribution()
     for name in bench_core.EXTREMES:
         rows = [line for line in lines if line[:36].rstrip() == name]
         assert len(rows) == 2, name  # realistic and flat rows
-        assert all(" yes " in row for row in rows), rows
+        for row in rows:
+            _, _, elements, launches, finite = row[36:].split()[:5]
+            assert finite == "yes", row
+            assert float(elements) <= bench_core.WORK_BOUND, row
+            assert float(launches) <= bench_core.WORK_BOUND, row
+    assert "bound M = " in done.stdout
     for name in bench_core.REFUSED:
         rows = [line for line in lines if line[:36].rstrip() == name]
         assert len(rows) == 2 and all("refused (400)" in row for row in rows), rows

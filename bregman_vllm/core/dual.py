@@ -70,6 +70,16 @@ def _inner_solve(beta: Tensor, target: Tensor, z: Tensor, low: Tensor, high: Ten
     return safeguarded_newton(equation, z, low, high)
 
 
+def _inner_upper(beta: Tensor, target: Tensor) -> Tensor:
+    """log of an upper end of the inner root, next to it for large beta (where the other
+    starts are far above it). With c = log(1 - 1/e): log(1 - e^-y) >= log y + c for y <= 1, so
+    there beta y + log y <= t - c and y <= W(beta e^(t - c)) / beta <= log1p(beta e^(t - c)) /
+    beta (Lambert's W(x) <= log(1 + x)); above 1, log(1 - e^-y) >= c and y <= (t - c) / beta."""
+    shifted = target - _LOG1MEXP_AT_ONE
+    bound = torch.maximum(torch.nn.functional.softplus(torch.log(beta) + shifted), shifted)
+    return torch.log(bound.clamp_min(1e-300)) - torch.log(beta)
+
+
 _LOG_2 = math.log(2.0)
 
 
@@ -145,6 +155,7 @@ def nested_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
             z_new = z_start
         else:
             target = s_value.unsqueeze(-1) - beta * lp
+            z_start = torch.minimum(z_start, _inner_upper(beta, target))
             z_new = _inner_solve(beta, target, z_start, *inner_bracket(target))
             y = torch.exp(z_new)
             log_q = torch.where(finite, lp + y, s_value.unsqueeze(-1) / beta)

@@ -186,10 +186,12 @@ PROBE_WINDOW = 16
 
 def _window_exceeds(family: Family | None, mode: str, cand: Candidates, start: Tensor,
                     count: int, alpha: Tensor, lam: Tensor,
-                    generator: BregmanGenerator | None = None) -> tuple[Tensor, Tensor]:
+                    generator: BregmanGenerator | None = None
+                    ) -> tuple[Tensor, Tensor, Tensor]:
     """G(m) > lambda for m = start .. start + count - 1 per row ([n, count]), from the exact maps
     on the count + 1 consecutive supports (1 <= start, start + count <= candidates); also returns
-    those maps (log T_m for m = start .. start + count, [n, count + 1, W])."""
+    those maps (log T_m for m = start .. start + count, [n, count + 1, W]) and log G(m)
+    ([n, count])."""
     sizes = start.unsqueeze(-1) + torch.arange(count + 1, device=start.device)  # [n, count + 1]
     width = int(sizes.max())
     log_p = cand.log_x[:, :width]
@@ -203,32 +205,106 @@ def _window_exceeds(family: Family | None, mode: str, cand: Candidates, start: T
     if generator is not None:
         gap = generic_gap(mode, generator, torch.exp(rows), torch.exp(log_q),
                           torch.exp(log_q_next), m)
-        return gap > lam.unsqueeze(-1), maps
+        return gap > lam.unsqueeze(-1), maps, torch.log(gap)
     if mode == "primal":
         log_gap = primal_log_gap(log_q, log_q_next, m, a)
     else:
         log_gap = dual_log_gap(rows, log_q, log_q_next, m, a)
-    return log_gap > torch.log(lam).unsqueeze(-1), maps
+    return log_gap > torch.log(lam).unsqueeze(-1), maps, log_gap
+
+
+#: Probes per row guided by the gap floor (`_floor_sizes`) before the search only bisects.
+MODEL_PROBES = 10
+#: A bracket this narrow is decided by one probe of all its sizes.
+FINAL_WINDOW = 8
+
+
+class _Probed(NamedTuple):
+    """Per row, log G and log floor at the sizes of its last two probes (``last``, ``before``;
+    size 0 where there was none)."""
+
+    k_last: Tensor
+    gap_last: Tensor
+    floor_last: Tensor
+    k_before: Tensor
+    gap_before: Tensor
+    floor_before: Tensor
+
+
+def _model_guess(log_floor: Tensor, probed: _Probed, log_lam: Tensor, lo: Tensor) -> Tensor:
+    """The floor's guess of k*: log G(k) taken as an affine function of log floor(k) through
+    the row's last two probes (a secant step in the floor's coordinate; after one probe,
+    log G - log floor is taken as constant; before any, G as the floor itself), and the
+    smallest size k >= lo where that is at most lambda (the width of the candidates when none
+    is). The floor is led by p_(k+1)^alpha like G (`_floor_sizes`), so log G is close to affine
+    in it and the guess lands next to k*. ``log_floor``: [n, W - 1], column j the floor of
+    size j + 1."""
+    last, before = probed.k_last > 0, probed.k_before > 0
+    span = probed.floor_last - probed.floor_before
+    slope = (probed.gap_last - probed.gap_before) / torch.where(span != 0, span, 1.0)
+    secant = probed.floor_last + (log_lam - probed.gap_last) / torch.where(
+        slope > 0, slope, 1.0)
+    # (a slope far from 1 is the noise of two close probes: the constant ratio instead)
+    usable = before & (span != 0) & (slope > 0.25) & (slope < 4.0) & torch.isfinite(secant)
+    shifted = log_lam - (probed.gap_last - probed.floor_last)
+    target = torch.where(usable, secant, torch.where(last, shifted, log_lam))
+    sizes = torch.arange(1, log_floor.shape[-1] + 1, device=log_floor.device)
+    fits = (log_floor <= target.unsqueeze(-1)) & (sizes >= lo.unsqueeze(-1))
+    return torch.where(fits, sizes, log_floor.shape[-1] + 1).amin(-1)
+
+
+def _measured(probed: _Probed, rows: Tensor, sizes: Tensor, exceeds: Tensor, log_gap: Tensor,
+              log_floor: Tensor) -> None:
+    """Record, for the rows ``rows``, one size of their probe of ``sizes`` ([r, c],
+    consecutive, in 1 .. W - 1): the largest that exceeds lambda, else the smallest."""
+    floor = torch.gather(log_floor[rows], 1, (sizes - 1).clamp(0, log_floor.shape[-1] - 1))
+    good = torch.isfinite(log_gap) & torch.isfinite(floor)
+    over = torch.where(exceeds & good, sizes, 0).amax(-1)
+    under = torch.where(~exceeds & good, sizes, 2**62).amin(-1)
+    size = torch.where(over > 0, over, under)
+    new = (size > 0) & (size < 2**62)
+    col = (size - sizes[:, 0]).clamp(0, sizes.shape[1] - 1).unsqueeze(-1)
+    values = (size, torch.gather(log_gap, 1, col)[:, 0], torch.gather(floor, 1, col)[:, 0])
+    for now, old, value in zip(probed[:3], probed[3:], values, strict=True):
+        old[rows] = torch.where(new, now[rows], old[rows])
+        now[rows] = torch.where(new, value.to(now.dtype), now[rows])
 
 
 def _search(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, lam: Tensor,
             low: Tensor, high: Tensor, generator: BregmanGenerator | None = None,
-            raised: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+            raised: Tensor | None = None, log_floor: Tensor | None = None,
+            open_end: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Smallest k in [low, high] with G(k) <= lambda, where G(high) <= lambda is taken as given.
 
     Rows starting at low = 1: one window probe decides G(1 .. WINDOW) at once (k* is usually
-    small), then galloping (m = low, low + 1, low + 3, ...) and bisection: O(log k*) probes. Rows
-    of a later candidate round (low > 1, high = 8 low) bisect [low, high]; where ``raised``
-    says low comes from the gap floor (`_floor_sizes`), the first probe is at low itself (the
-    floor is often k* exactly: next to alpha = 1 in dual mode, at tiny lambda), then bisection.
-    All rows advance together; each probe runs only on the rows still searching.
+    small). Then, with the floor of every gap (``log_floor``, `_floor_sizes`): up to
+    `MODEL_PROBES` probes of the two sizes around the floor's guess of k* (`_model_guess`,
+    the floor scaled by the ratio G / floor the row's probes measured; rows whose low comes
+    from the floor (``raised``) start with ratio 1: a probe at low itself), then bisection: at
+    most MODEL_PROBES + 2 log2(high - low) + 1 probes, a few where the floor tracks G (it
+    does on every row measured). Without a floor (a user generator): galloping (m = low,
+    low + 1, low + 3, ...) and bisection, O(log k*) probes. All rows advance together; each
+    probe runs only on the rows still searching.
 
-    Returns (k*, log T_k* for the rows the window resolved ([n, W]), which rows those are).
+    ``open_end``: rows whose high is the end of the candidates, not a real boundary (k* may
+    lie past it): once their probes put the floor's guess past the candidates, they stop with
+    the lower bound their probes certified (``left``), for a wider round to go on from.
+
+    Returns (k*, or for the rows that stopped (``left``) the certified lower bound, log T_k*
+    for the rows the window resolved ([n, W]), which rows those are, ``left``).
     """
     low, high = low.clone(), high.clone()
     raised = torch.zeros_like(low, dtype=torch.bool) if raised is None else raised
+    left = torch.zeros_like(low, dtype=torch.bool)
+    certified = torch.zeros_like(low)
+    open_end = left if open_end is None else open_end
     cache = torch.empty(low.shape[0], 0, dtype=cand.log_x.dtype, device=low.device)
     cached = torch.zeros_like(low, dtype=torch.bool)
+    guided = raised.clone() if log_floor is not None else torch.zeros_like(raised)
+    zero, nothing = torch.zeros_like(low), torch.zeros_like(lam)
+    probed = _Probed(zero, nothing, nothing.clone(), zero.clone(), nothing.clone(),
+                     nothing.clone())
+    log_lam = torch.log(lam)
     first_round = (low == 1) & ~raised  # later rounds know k* >= low: no window probe
     active = ((low < high) & first_round).nonzero().squeeze(-1)
     if active.numel():
@@ -236,8 +312,8 @@ def _search(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
         count = int(min(PROBE_WINDOW, int((hi - lo).max())))
         sub = take(cand, active)
         start = torch.minimum(lo, hi - count).clamp_min(1)  # keep the window inside [1, hi]
-        exceeds, maps = _window_exceeds(family, mode, sub, start, count, alpha[active],
-                                        lam[active], generator)
+        exceeds, maps, log_gap = _window_exceeds(family, mode, sub, start, count, alpha[active],
+                                                 lam[active], generator)
         m = start.unsqueeze(-1) + torch.arange(count, device=lo.device)
         # Sizes below low are known to exceed; at or beyond high the search stops by definition.
         stop = (~exceeds | (m >= hi.unsqueeze(-1))) & (m >= lo.unsqueeze(-1))
@@ -252,31 +328,86 @@ def _search(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
                            device=maps.device)
         cache[active] = torch.gather(maps, 1, pick).squeeze(1)
         cached[active] = resolved
+        if log_floor is not None:
+            _measured(probed, active, m, exceeds, log_gap, log_floor)
+            guided[active] = True
     step = torch.ones_like(low)
-    galloping = first_round.clone()
-    at_low = raised.clone()
+    galloping = first_round & ~guided
+    tries = torch.zeros_like(low)
+    width = cand.log_x.shape[-1]
     while True:
         active = (low < high).nonzero().squeeze(-1)
         if active.numel() == 0:
-            return low, cache, cached
+            return torch.where(left, certified, low), cache, cached, left
         lo, hi = low[active], high[active]
         gal = galloping[active]
+        model = guided[active] & (tries[active] < MODEL_PROBES)
         m = torch.where(gal, torch.minimum(lo + step[active] - 1, hi - 1), (lo + hi) // 2)
-        m = torch.where(at_low[active], lo, m)
-        at_low[active] = False
+        count = 1
+        if bool(model.any()):
+            guess = _model_guess(log_floor[active], _Probed(*(t[active] for t in probed)),
+                                 log_lam[active], lo)
+            # Past the candidates, after a probe measured the ratio: a wider round's (exact:
+            # it starts at the low certified here).
+            leave = model & (guess >= width) & open_end[active] & (probed.k_last[active] > 0)
+            if bool(leave.any()):
+                rows = active[leave]
+                left[rows], certified[rows] = True, lo[leave]
+                low[rows] = high[rows]
+                keep = (~leave).nonzero().squeeze(-1)
+                if keep.numel() == 0:
+                    continue
+                active, lo, hi, gal, model, guess, m = (
+                    t[keep] for t in (active, lo, hi, gal, model, guess, m))
+            # The two sizes around the guess (k* = guess when G(guess - 1) > lambda >= G(guess));
+            # the first probe of rows raised by the floor: the floor's size alone (often k*).
+            count = 2 if bool((model & (probed.k_last[active] > 0)).any()) else 1
+            m = torch.where(model, (guess - count + 1).clamp(lo, hi - 1), m)
+        span = int((hi - lo).max())
+        if span <= FINAL_WINDOW:  # every size left, at once
+            m, count = lo, span
+        count = min(count, width - 1)
+        m = torch.minimum(m, torch.full_like(m, width - count))  # T_(m + count) exists
         sub = take(cand, active)
-        exceeds = _window_exceeds(family, mode, sub, m, 1, alpha[active], lam[active],
-                                  generator)[0][:, 0]
-        low[active] = torch.where(exceeds, m + 1, lo)
-        high[active] = torch.where(exceeds, hi, m)
-        step[active] = torch.where(exceeds & gal, step[active] * 2, step[active])
-        galloping[active] = gal & exceeds
+        exceeds, maps, log_gap = _window_exceeds(family, mode, sub, m, count, alpha[active],
+                                                 lam[active], generator)
+        sizes = m.unsqueeze(-1) + torch.arange(count, device=m.device)
+        inside = (sizes >= lo.unsqueeze(-1)) & (sizes < hi.unsqueeze(-1))
+        # G is nonincreasing: the sizes that exceed raise low, the first that stops lowers high.
+        found = torch.maximum(lo, torch.where(exceeds & inside, sizes + 1, 0).amax(-1))
+        low[active] = found
+        high[active] = torch.minimum(hi, torch.where(~exceeds & inside, sizes,
+                                                     hi.unsqueeze(-1)).amin(-1))
+        # A probe that decided k* holds T_k* among its maps (T_m .. T_(m + count)): keep it
+        # for the output instead of solving it again.
+        offset = found - m
+        hit = (high[active] == found) & (offset >= 0) & (offset <= count)
+        if bool(hit.any()):
+            if cache.shape[-1] < maps.shape[-1]:
+                cache = torch.nn.functional.pad(cache, (0, maps.shape[-1] - cache.shape[-1]),
+                                                value=-math.inf)
+            rows = active[hit]
+            pick = offset[hit].view(-1, 1, 1).expand(-1, 1, maps.shape[-1])
+            cache[rows] = -math.inf
+            cache[rows, : maps.shape[-1]] = torch.gather(maps[hit], 1, pick).squeeze(1)
+            cached[rows] = True
+        if log_floor is not None:
+            _measured(probed, active, sizes, exceeds, log_gap, log_floor)
+        tries[active] += 1
+        first = exceeds[:, 0]
+        step[active] = torch.where(first & gal, step[active] * 2, step[active])
+        galloping[active] = gal & first
+        # Past the guided probes: gallop up from low while no size has stopped, else bisect.
+        galloping[active] |= guided[active] & (tries[active] == MODEL_PROBES) \
+            & (high[active] == hi)
 
 
-def _floor_sizes(mode: str, cand: Candidates, alpha: Tensor, lam: Tensor) -> Tensor:
+def _floor_sizes(mode: str, cand: Candidates, alpha: Tensor, lam: Tensor
+                 ) -> tuple[Tensor, Tensor | None]:
     """A lower bound on k* per row, from a floor of every cost gap: G(k) > lambda, hence
     k* > k, until the floor reaches lambda. Returns the first k in 1 .. W - 1 whose floor is at
-    most lambda, else W (k* >= W: the row needs a wider round, and no probe of this one).
+    most lambda, else W (k* >= W: the row needs a wider round, and no probe of this one), and
+    the log of the floor of every size 1 .. W - 1 ([n, W - 1]; None for W = 1).
     Exact, not a heuristic: where k* is large (tiny lambda, primal alpha near 0, dual alpha
     near 1) it starts the search next to k* and skips the probes of the rounds below it.
 
@@ -292,7 +423,7 @@ def _floor_sizes(mode: str, cand: Candidates, alpha: Tensor, lam: Tensor) -> Ten
     """
     width = cand.log_x.shape[-1]
     if width == 1:
-        return torch.ones(alpha.shape[0], dtype=torch.long, device=alpha.device)
+        return torch.ones(alpha.shape[0], dtype=torch.long, device=alpha.device), None
     a = alpha.unsqueeze(-1)
     b = a - 1.0
     log_p = cand.log_x[:, 1:]  # p_(k+1), k = 1 .. W-1
@@ -310,7 +441,7 @@ def _floor_sizes(mode: str, cand: Candidates, alpha: Tensor, lam: Tensor) -> Ten
         inner = torch.logaddexp(2.0 * torch.log(b) + moved, log_p)
         log_floor = b * log_q + inner - torch.log(a * b)
     below = ~(log_floor > torch.log(lam).unsqueeze(-1))  # (zero entries: NaN or -inf)
-    return torch.where(below, sizes, width).amin(-1)
+    return torch.where(below, sizes, width).amin(-1), log_floor
 
 
 def _support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor) -> Decoded:
@@ -344,23 +475,26 @@ def _support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor)
         sub = take(cand, adaptive)
         a, lm = alpha[adaptive], lam[adaptive]
         raised = torch.zeros_like(bounded)
+        left = torch.zeros_like(bounded)  # rows the search left for a wider round
+        log_floor = None
         closed = plan.family in CLOSED_GAP_FAMILIES  # every gap of the round at once
         if plan.generator is None and not closed:
-            floor = torch.minimum(_floor_sizes(plan.mode, sub, a, lm), upper)
+            floor, log_floor = _floor_sizes(plan.mode, sub, a, lm)
+            floor = torch.minimum(floor, upper)
             raised = floor > lo
             lo = torch.maximum(lo, floor)
         if closed:  # the window's search over this round's candidates
             found = closed_sizes(plan.family, sub, lm, upper, width, lo)
         else:
-            found, maps, have = _search(plan.family, plan.mode, sub, a, lm, lo, upper,
-                                        plan.generator, raised)
+            found, maps, have, left = _search(plan.family, plan.mode, sub, a, lm, lo, upper,
+                                              plan.generator, raised, log_floor, ~bounded)
             cache = torch.full((k.shape[0], maps.shape[-1]), -math.inf, dtype=maps.dtype,
                                device=maps.device)
             cache[adaptive] = maps
             cached[adaptive] = have
         k[adaptive] = found
         # Certified unless the search ran into the end of the candidate set without a boundary.
-        done[adaptive] = (found < width) | bounded
+        done[adaptive] = ((found < width) | bounded) & ~left
     return Decoded(k, cache, ~done, computed=cached)
 
 
@@ -454,7 +588,8 @@ def _round(scores: Tensor, plan: ExactPlan, now: Tensor, width: int, low: Tensor
         log_q = _final_maps(plan, sub, k[fin], plan.alpha[rows], cache[fin], cached[fin])
         _finish(sink, rows, sub.index[:, : log_q.shape[-1]], log_q, k[fin])
     again = (~done).nonzero().squeeze(-1)
-    low[now[again]] = width  # G(k) > lambda for every k < width
+    # G(k) > lambda for every k < width, or below the bound where the search left the round
+    low[now[again]] = torch.minimum(k[again], torch.full_like(k[again], width))
     return now[again]
 
 

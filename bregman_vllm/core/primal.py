@@ -79,6 +79,12 @@ def water_filling_log_renorm(log_p: Tensor, mask: Tensor, log_deficit: Tensor) -
     j with c_j >= p_(j+1). 1 - S_j is formed as R plus the masked suffix sum (no cancellation).
     """
     p = torch.where(mask, torch.exp(log_p), 0.0)
+    c = _water_level(p, mask, log_deficit)
+    return torch.where(mask, torch.log(torch.maximum(p, c)), -math.inf)
+
+
+def _water_level(p: Tensor, mask: Tensor, log_deficit: Tensor) -> Tensor:
+    """The level c of water-filling ([..., 1]): sum_i max(p_i, c) = 1 over the support."""
     width = p.shape[-1]
     suffix = torch.flip(torch.cumsum(torch.flip(p, [-1]), -1), [-1])  # sum_{i >= j} p_i
     deficit = torch.exp(log_deficit).unsqueeze(-1)
@@ -88,8 +94,7 @@ def water_filling_log_renorm(log_p: Tensor, mask: Tensor, log_deficit: Tensor) -
     level = above / (k - j).clamp_min(1).to(p.dtype)
     valid = (level >= p) & (j < k)
     first = torch.where(valid, j, width).amin(-1, keepdim=True).clamp_max(width - 1)
-    c = torch.gather(level, -1, first)
-    return torch.where(mask, torch.log(torch.maximum(p, c)), -math.inf)
+    return torch.gather(level, -1, first)
 
 
 def argmax_fill_log_renorm(log_p: Tensor, mask: Tensor, log_deficit: Tensor) -> Tensor:
@@ -178,6 +183,10 @@ def newton_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
         high = top[i] + log_expm1(-b * top[i]) / b  # q_1 = 1
         start = top[i] + log_expm1(-b * log_s[i]) / b  # q_1 = p_1 / S
         start = torch.where(b < 1, torch.minimum(start, log_ratio), start).minimum(high)
+        # q_i >= max(p_i, c): c is at most the water-filling level, a closer upper end than
+        # the KL start where the support has a long tail (k* in the thousands).
+        water = _water_level(torch.where(fin, torch.exp(lpi), 0.0), mask[i], log_deficit[i])
+        start = torch.minimum(start, torch.log(water[..., 0]))
         low = torch.minimum(low, start)
         bcol = b.unsqueeze(-1)
 
