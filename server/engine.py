@@ -398,12 +398,12 @@ def _serve_many(args: argparse.Namespace, settings: ServerSettings, count: int) 
     if ended:
         for proc in ended:
             proc.join(1.0)
-        codes = {proc.name: proc.exitcode for proc in ended}
-        engine_died = any(proc not in api.processes or code == ENGINE_DIED_EXIT_CODE
-                          for proc, code in zip(ended, codes.values(), strict=True))
+        engine_died = any(proc not in api.processes or proc.exitcode == ENGINE_DIED_EXIT_CODE
+                          for proc in ended)
         status = ENGINE_DIED_EXIT_CODE if engine_died else 1
-        logger.error("%s ended (exit status %s): stopping", ", ".join(codes),
-                     ", ".join(str(code) for code in codes.values()))
+        logger.error("%s ended (exit status %s): stopping",
+                     ", ".join(proc.name for proc in ended),
+                     ", ".join(str(proc.exitcode) for proc in ended))
         if engine_died:
             for proc in api.processes:
                 if proc.is_alive() and proc.pid is not None:

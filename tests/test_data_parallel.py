@@ -19,7 +19,6 @@ Plus the unit checks of what `bregman_server.engine` decides before vLLM starts.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import re
@@ -29,6 +28,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -38,11 +38,15 @@ from bregman_server.settings import ServerSettings
 
 from .test_server_support import (
     ServerProcess,
+    assert_stream_ran_to_length,
     check_engine_metrics_add_up,
+    comm,
+    finished_requests,
     finite_top_logprobs,
-    prometheus_value,
     require_tiny_model,
+    scrape,
     shut_down,
+    top_k_oracle,
 )
 
 MODEL = "models/tiny-llama"
@@ -129,22 +133,20 @@ class Live:
     def __init__(self, server: ServerProcess) -> None:
         self.server = server
         self.api_servers = sorted(pid for pid in server.remember_descendants()
-                                  if _comm(pid).startswith("VLLM::APIServer"))
+                                  if comm(pid).startswith("VLLM::APIServer"))
         self.engines = sorted(pid for pid in server.remember_descendants()
-                              if _comm(pid).startswith("VLLM::EngineCor"))
+                              if comm(pid).startswith("VLLM::EngineCor"))
 
     @property
     def url(self) -> str:
         return self.server.url
 
     def metrics(self) -> str:
-        return httpx.get(self.url + "/metrics", headers=AUTH, timeout=10).text
+        return scrape(self.url, AUTH)
 
     def finished_per_engine(self) -> list[float]:
         text = self.metrics()
-        return [sum(prometheus_value(text, "vllm:request_success_total", default=0.0,
-                                     engine=str(rank), finished_reason=reason)
-                    for reason in ("stop", "length")) for rank in (0, 1)]
+        return [finished_requests(text, engine=str(rank)) for rank in (0, 1)]
 
     def owner(self, local_port: int) -> int | None:
         """The API server process holding the server side of a client connection."""
@@ -160,30 +162,28 @@ class Live:
         return None
 
 
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as comm:
-            return comm.read().strip()
-    except OSError:
-        return ""
+def start_ready(server: ServerProcess) -> Live:
+    """Start ``server`` and wait for its ready line (/health answers once one API server
+    serves; the ready line once both do)."""
+    require_tiny_model()
+    server.start()
+    server.wait_healthy(timeout=600)
+    deadline = time.monotonic() + 300
+    while not READY.search(server.log_tail(10**7)):
+        assert time.monotonic() < deadline, server.log_tail()
+        assert server.process is not None and server.process.poll() is None
+        time.sleep(0.2)
+    return Live(server)
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    require_tiny_model()
     server = ServerProcess(ARGS, tmp_path_factory.mktemp("dp-logs") / "server.log")
     started = time.monotonic()
     try:
-        server.start()
-        server.wait_healthy(timeout=600)
-        # /health answers once one API server serves; the ready line once both do.
-        deadline = time.monotonic() + 300
-        while not READY.search(server.log_tail(10**7)):
-            assert time.monotonic() < deadline, server.log_tail()
-            assert server.process is not None and server.process.poll() is None
-            time.sleep(0.2)
+        ready = start_ready(server)
         FIGURES["start_seconds"] = round(time.monotonic() - started, 1)
-        yield Live(server)
+        yield ready
     finally:
         shut_down(server, expect_code=None)  # the drain test stops it itself
 
@@ -208,17 +208,9 @@ def test_ready_line_and_process_layout(live: Live) -> None:
 def test_middleware_and_key_in_every_api_server(live: Live) -> None:
     """Connections go to the least loaded API server: held open, they spread over both."""
     held: list[socket.socket] = []
-    owners: dict[int, list[socket.socket]] = {}
     try:
-        while len(owners) < 2 and len(held) < 16:
-            connection = socket.create_connection(("127.0.0.1", live.server.port), timeout=60)
-            held.append(connection)
-            owner = live.owner(connection.getsockname()[1])
-            assert owner is not None
-            owners.setdefault(owner, []).append(connection)
-        assert sorted(owners) == live.api_servers
         bad = json.dumps({"model": MODEL, "prompt": PROMPT, "bregman_top_k": 0}).encode()
-        for connection in (connections[0] for connections in owners.values()):
+        for connection in _one_connection_per_api_server(live, held):
             status, body = _exchange(connection, b"GET", b"/metrics", b"")
             assert status == 401 and body["error"]["code"] == "invalid_api_key"
             status, body = _exchange(connection, b"POST", b"/v1/completions", bad, auth=True)
@@ -230,9 +222,24 @@ def test_middleware_and_key_in_every_api_server(live: Live) -> None:
             connection.close()
 
 
+def _one_connection_per_api_server(live: Live, held: list[socket.socket]
+                                   ) -> list[socket.socket]:
+    """Connections opened until each API server holds one (every connection opened is put in
+    ``held``, for the caller to close); one per API server."""
+    owners: dict[int, socket.socket] = {}
+    while len(owners) < 2 and len(held) < 16:
+        connection = socket.create_connection(("127.0.0.1", live.server.port), timeout=60)
+        held.append(connection)
+        owner = live.owner(connection.getsockname()[1])
+        assert owner is not None
+        owners.setdefault(owner, connection)
+    assert sorted(owners) == live.api_servers
+    return list(owners.values())
+
+
 def _exchange(connection: socket.socket, method: bytes, path: bytes, body: bytes,
               auth: bool = False) -> tuple[int, Any]:
-    """One HTTP/1.1 request on a kept-alive connection; (status, JSON body)."""
+    """One HTTP/1.1 request on a kept-alive connection; (status, JSON body or None)."""
     headers = b"Host: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
     if auth:
         headers += f"Authorization: Bearer {KEY}\r\n".encode()
@@ -244,7 +251,8 @@ def _exchange(connection: socket.socket, method: bytes, path: bytes, body: bytes
         name, _, value = line.partition(b":")
         if name.lower() == b"content-length":
             length = int(value)
-    return status, json.loads(reader.read(length))
+    data = reader.read(length)
+    return status, json.loads(data) if data else None
 
 
 @pytest.mark.server
@@ -260,19 +268,10 @@ def test_oracle_on_both_engines(live: Live) -> None:
         return [finite_top_logprobs(entry)
                 for entry in response.json()["choices"][0]["logprobs"]["top_logprobs"]]
 
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        oracle = [step for steps in pool.map(counts, [{"bregman_top_k": 2}] * 24)
-                  for step in steps]
-        control = [step for steps in pool.map(counts, [{}] * 24) for step in steps]
+    FIGURES["oracle"] = top_k_oracle(counts, requests=24, steps=6, threads=8)
     served = [after - start for after, start in
               zip(live.finished_per_engine(), before, strict=True)]
-    violations = sum(count > 2 for count in oracle)
-    control_over = sum(count > 2 for count in control)
-    FIGURES["oracle"] = {"violations": violations, "steps": len(oracle),
-                         "control_over_2": control_over, "control_steps": len(control),
-                         "served_per_engine": served}
-    assert len(oracle) == 24 * 6 and violations == 0, oracle
-    assert control_over >= len(control) // 2, "the control must keep more than 2 tokens"
+    FIGURES["oracle"]["served_per_engine"] = served
     assert sum(served) == 48 and min(served) > 0, f"both engines serve: {served}"
 
 
@@ -330,12 +329,8 @@ def test_sigterm_to_the_process_group_drains_every_api_server(live: Live) -> Non
         after.append(round(sum(size for when, size in blocks if when > signalled)
                            / sum(size for _, size in blocks), 2))
         assert after[-1] > 0, after
-        assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
-        events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
-        assert not [event for event in events if "error" in event], "a stream was cut"
-        finished = [choice["finish_reason"] for event in events for choice in event["choices"]
-                    if choice["finish_reason"]]
-        assert finished == ["length"] * 4, finished
+        assert status == 200, lines[-3:]
+        assert_stream_ran_to_length(lines, 4)
         ends.append(round(ended - signalled, 1))
     FIGURES["drain"] = {"streams": len(ends), "stream_ends_after_signal_s": sorted(ends),
                         "share_of_bytes_after_signal": sorted(after),
@@ -371,3 +366,35 @@ def _read_stream(connection: socket.socket, body: bytes, results: dict[int, Any]
         rest = rest[int(size, 16) + 2:]
     lines = [line for line in b"".join(payload).decode().splitlines() if line]
     results[index] = (int(head.split()[1]), lines, arrivals[-1][0], arrivals)
+
+
+@pytest.mark.server
+@pytest.mark.timeout(900)
+def test_engine_death_reaches_every_api_server(tmp_path: Path) -> None:
+    """One engine killed (SIGKILL to EngineCore_DP1) on a server of its own: the API servers,
+    whose engine clients did not start the engines, hear it from the process that did, and
+    each (on a connection it holds) answers /health and a completion with 503 engine_dead;
+    then the server exits with status 3 and leaves nothing behind."""
+    server = ServerProcess(ARGS, tmp_path / "server.log")
+    held: list[socket.socket] = []
+    try:
+        dead = start_ready(server)
+        connections = _one_connection_per_api_server(dead, held)
+        server.remember_descendants()
+        os.kill(dead.engines[-1], signal.SIGKILL)
+        body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).encode()
+        for connection in connections:
+            deadline = time.monotonic() + 10
+            while (status := _exchange(connection, b"GET", b"/health", b"")[0]) != 503:
+                assert status == 200 and time.monotonic() < deadline, status
+                time.sleep(0.05)
+            status, answer = _exchange(connection, b"POST", b"/v1/completions", body, auth=True)
+            assert status == 503 and answer["error"]["code"] == "engine_dead", answer
+        for connection in held:
+            connection.close()
+        assert server.process is not None and server.process.wait(120) == 3
+        assert not server.leftovers(), "processes left behind"
+    finally:
+        for connection in held:
+            connection.close()
+        server.kill_everything()

@@ -1075,17 +1075,14 @@ def test_every_mount_is_a_directory_the_image_gives_its_user(
 
 
 def test_compose_builds_the_images_from_the_repository(raw_compose: dict[str, Any]) -> None:
-    pinned = re.search(r"^vllm-router==(\S+)$", (ROOT / "requirements" / "dev.txt").read_text(),
-                       re.M)
-    assert pinned
+    pinned = vllm_version_pin(ROOT / "requirements" / "dev.txt", "vllm-router")
     for name, service in raw_compose["services"].items():
         build = service["build"]
         context = (COMPOSE_FILE.parent / build["context"]).resolve()
         assert context == ROOT, name
         if is_router(service):
             assert (context / build["dockerfile"]).resolve() == ROUTER_DOCKERFILE, name
-            assert service["image"] == f"bregman-vllm-router:{pinned.group(1)}", "the pin"
-            assert dockerfile_args(ROUTER_DOCKERFILE)["VLLM_ROUTER_VERSION"] == pinned.group(1)
+            assert service["image"] == f"bregman-vllm-router:{pinned}", "the pin"
             continue
         assert (context / build["dockerfile"]).resolve() == GPU_DOCKERFILE, name
         assert service["image"] == f"bregman-vllm:{version('bregman-vllm')}", "one image, versioned"

@@ -380,13 +380,13 @@ def test_joint_pass_equals_each_family_decoded_alone(logits, as_logits):
                 for row in range(BATCH) if MIXED_ALL[row % len(MIXED_ALL)]]
     plan = plan_requests(requests, batch=BATCH, vocab=VOCAB, device="cpu")
     # Five window groups of width 64 share a pass; KL at lambda 1e-3 has a window of 256.
-    assert [len(joint.groups) for joint in plan.joints] == [5]
+    assert [len(joint.groups) for joint in plan.passes()[1]] == [5]
     together, k_together, _ = step_module.decode_step(scores.clone(), plan, logits=as_logits)
     alone = scores.clone()
     k_alone = torch.zeros(BATCH, dtype=torch.long)
     for group in plan.groups:
         single = Plan((group,), plan.batch, plan.vocab)
-        assert not single.joints
+        assert not single.passes()[1]
         out, k, _ = step_module.decode_step(scores.clone(), single, logits=as_logits)
         rows = group.rows_or_all(scores.device)
         alone[rows], k_alone[rows] = out[rows], k[rows]
@@ -433,6 +433,20 @@ def test_v2_replans_only_when_the_row_order_changes(logits):
     assert proc.plan is not plan
 
 
+def break_the_kl_window(monkeypatch) -> None:
+    """A bug in one family's decoder: the KL rows' closed-form window search raises (and the
+    failure warning is due at once)."""
+    real = step_module.closed_search
+
+    def broken(family, *args, **kwargs):
+        if family.value == "kl":
+            raise RuntimeError("simulated bug in the KL window")
+        return real(family, *args, **kwargs)
+
+    monkeypatch.setattr(step_module, "closed_search", broken)
+    monkeypatch.setattr(telemetry, "_last_warning", -math.inf)
+
+
 def test_one_bad_row_never_disables_the_others(monkeypatch):
     """A request that slipped past validation with a top_k beyond int64, next to eight
     `bregman_top_k=1` requests: those eight are decoded to their top token at every step. A
@@ -454,15 +468,7 @@ def test_one_bad_row_never_disables_the_others(monkeypatch):
 
     # A bug in one family's decoder: the other families' rows are still decoded.
     proc = v1_processor(MIXED[:2])
-    real = step_module.closed_search
-
-    def broken(family, *args, **kwargs):
-        if family.value == "kl":
-            raise RuntimeError("simulated bug in the KL window")
-        return real(family, *args, **kwargs)
-
-    monkeypatch.setattr(step_module, "closed_search", broken)
-    monkeypatch.setattr(telemetry, "_last_warning", -math.inf)
+    break_the_kl_window(monkeypatch)
     before = telemetry.failures_total()
     logits = realistic_logits(seed=9)
     out = proc.apply(logits.clone())
@@ -479,15 +485,7 @@ def test_a_failing_family_under_model_runner_v2_keeps_the_temperature(logits, mo
     writes it), and the failing rows keep their logits."""
     proc, ctx = v2_processor(MIXED[:2])
     want = proc.apply(logits.clone(), ctx)
-    real = step_module.closed_search
-
-    def broken(family, *args, **kwargs):
-        if family.value == "kl":
-            raise RuntimeError("simulated bug in the KL window")
-        return real(family, *args, **kwargs)
-
-    monkeypatch.setattr(step_module, "closed_search", broken)
-    monkeypatch.setattr(telemetry, "_last_warning", -math.inf)
+    break_the_kl_window(monkeypatch)
     out = proc.apply(logits.clone(), ctx)
     order = list(reversed(range(BATCH)))  # the context's row -> slot order
     kl = [row for row, slot in enumerate(order) if slot % 2 == 0]

@@ -48,6 +48,8 @@ from bregman_server.engine import MIDDLEWARE_PATH, vllm_namespace
 from .test_deploy import (
     ENGINE_STOP_SECONDS,
     GPU_DOCKERFILE,
+    ROOT,
+    ROUTER_DOCKERFILE,
     SECRET_NAME,
     ImageDirectories,
     dockerfile_args,
@@ -56,15 +58,14 @@ from .test_deploy import (
     dockerfile_user,
     duration_seconds,
     parse_server,
+    router_parse,
     vllm_version_pin,
 )
 from .test_server_support import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
 KUBE = ROOT / "deploy" / "kubernetes"
 MANIFESTS = sorted(KUBE.glob("*.yaml"))
 EXAMPLES = sorted((KUBE / "examples").glob("*.yaml"))
-ROUTER_DOCKERFILE = ROOT / "docker" / "Dockerfile.router"
 DEPLOY_README = ROOT / "deploy" / "README.md"
 #: The oldest Kubernetes we claim (deploy/README.md) and the newest the validator knows.
 KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")
@@ -371,17 +372,6 @@ def router_argv() -> list[str]:
     argv = [expand(arg, env) for arg in spec["args"]]
     assert not [arg for arg in argv if "$(" in arg], "every $(VAR) is defined"
     return argv
-
-
-def router_parse(argv: list[str]) -> Any:
-    from vllm_router.launch_router import parse_router_args
-
-    try:
-        args = parse_router_args(argv)
-    except SystemExit as exc:
-        pytest.fail(f"vllm-router refuses {shlex.join(argv)} (exit {exc.code})")
-    args._validate_router_args()
-    return args
 
 
 def test_router_arguments_parse_with_the_routers_parser() -> None:

@@ -40,6 +40,7 @@ from .test_server_support import (
     REVIEWED_UNTYPED_POSTS,
     ServerProcess,
     alive,
+    comm,
     encode_body,
     finite_top_logprobs,
     require_tiny_model,
@@ -706,7 +707,7 @@ def test_engine_death_is_a_503_then_exit_3_with_nothing_left(servers: Servers) -
     server = servers.dying
     stream, waiting, results = _in_flight(server.url)
     time.sleep(1.5)
-    engines = [pid for pid in server.remember_descendants() if _comm(pid).startswith("VLLM::Eng")]
+    engines = [pid for pid in server.remember_descendants() if comm(pid).startswith("VLLM::Eng")]
     assert engines, "no engine process found"
     for pid in engines:
         os.kill(pid, signal.SIGKILL)
@@ -731,11 +732,3 @@ def test_engine_death_is_a_503_then_exit_3_with_nothing_left(servers: Servers) -
     # The server stops what is left (the killed engine core's worker) before it exits.
     assert not [pid for pid in server.seen if alive(pid)], "engine processes left behind"
     FIGURES["faults_survived"].append("engine process killed")
-
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as comm:
-            return comm.read().strip()
-    except OSError:
-        return ""

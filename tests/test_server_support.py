@@ -8,6 +8,7 @@ failing test never leaves processes behind.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,26 @@ def _stat(pid: int) -> tuple[int, int, str] | None:
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return None
     return int(fields[1]), int(fields[2]), fields[0]
+
+
+def comm(pid: int) -> str:
+    """The process's name (what vLLM sets: ``VLLM::EngineCore_DP0``...), "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/comm") as name:
+            return name.read().strip()
+    except OSError:
+        return ""
+
+
+def assert_stream_ran_to_length(lines: list[str], choices: int) -> None:
+    """A completion stream's SSE ``data:`` lines: ended by ``[DONE]``, no error event (a stream
+    cut by a shutdown ends with one), every one of its ``choices`` finished by ``length``."""
+    assert lines and lines[-1] == "data: [DONE]", lines[-3:]
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert not [event for event in events if "error" in event], "a stream was cut"
+    finished = [choice["finish_reason"] for event in events for choice in event["choices"]
+                if choice["finish_reason"]]
+    assert finished == ["length"] * choices, finished
 
 
 def descendants(root: int) -> set[int]:
@@ -311,6 +333,31 @@ REVIEWED_UNTYPED_POSTS = frozenset({
 
 
 # --- the engine's Bregman metrics on /metrics (k*, exact path, failures) ----------------------
+
+def top_k_oracle(counts: Callable[[dict[str, Any]], list[int]], requests: int, steps: int,
+                 threads: int) -> dict[str, int]:
+    """The top-k oracle: ``requests`` completions with ``bregman_top_k=2`` and as many without
+    (the control), ``threads`` at a time; ``counts(extra_body)`` sends one and returns its
+    finite top logprobs per step (under ``--logprobs-mode processed_logprobs``). No step of the
+    oracle keeps more than 2 tokens; most steps of the control do. Returns the figures."""
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        oracle = [step for found in pool.map(counts, [{"bregman_top_k": 2}] * requests)
+                  for step in found]
+        control = [step for found in pool.map(counts, [{}] * requests) for step in found]
+    figures = {"violations": sum(count > 2 for count in oracle), "steps": len(oracle),
+               "control_over_2": sum(count > 2 for count in control),
+               "control_steps": len(control)}
+    assert len(oracle) == requests * steps and figures["violations"] == 0, oracle
+    assert figures["control_over_2"] >= len(control) // 2, "the control must keep more than 2"
+    return figures
+
+
+def finished_requests(text: str, **labels: str) -> float:
+    """Requests vLLM completed normally (stop / EOS or the length limit), by one /metrics text
+    (``labels``: e.g. ``engine="1"`` for one data-parallel engine)."""
+    return sum(prometheus_value(text, "vllm:request_success_total", default=0.0,
+                                finished_reason=reason, **labels) for reason in ("stop", "length"))
+
 
 def engine_counts(text: str) -> dict[str, float]:
     """The engine-side Bregman metrics of one /metrics text: k* observations and their sum by

@@ -162,10 +162,15 @@ def candidates(scores: Tensor, width: int, *, logits: bool = False,
     else:
         suffix = x.flip(-1).cumsum(-1).flip(-1)
         deficit = torch.nn.functional.pad(suffix[:, 1:], (0, 1)) + tail.unsqueeze(-1)
-    # The candidates hold every positive entry unless all are positive and mass lies outside.
-    incomplete = (x[:, -1] > 0) & (tail > 0)
-    known = (x > 0).sum(-1).masked_fill_(incomplete, UNBOUNDED)
-    return Candidates(x, index, deficit, valid, known, log_x)
+    return Candidates(x, index, deficit, valid, _known(x, deficit), log_x)
+
+
+def _known(x: Tensor, deficit: Tensor) -> Tensor:
+    """How many positive entries the rows have, as far as the candidates ``x`` tell: all are
+    among them unless every candidate is positive and mass (R_W, ``deficit[:, -1]``) lies
+    beyond them (then `UNBOUNDED`)."""
+    incomplete = (x[:, -1] > 0) & (deficit[:, -1] > 0)
+    return (x > 0).sum(-1).masked_fill_(incomplete, UNBOUNDED)
 
 
 def select(cand: Candidates, where: Tensor, width: int) -> Candidates:
@@ -176,13 +181,7 @@ def select(cand: Candidates, where: Tensor, width: int) -> Candidates:
     x = cand.x[:, :width].index_select(0, where)
     deficit = cand.deficit[:, :width].index_select(0, where)
     log_x = cand.log_x[:, :width].index_select(0, where)
-    if width == cand.x.shape[-1]:
-        known = cand.known.index_select(0, where)
-    else:
-        # Every positive entry is among the first ``width`` unless all are positive and mass
-        # (R_width) lies beyond them.
-        incomplete = (x[:, -1] > 0) & (deficit[:, -1] > 0)
-        known = (x > 0).sum(-1).masked_fill_(incomplete, UNBOUNDED)
+    known = cand.known.index_select(0, where) if width == cand.x.shape[-1] else _known(x, deficit)
     return Candidates(x, cand.index, deficit, cand.valid, known, log_x)
 
 
@@ -191,9 +190,7 @@ def cut(cand: Candidates, width: int) -> Candidates:
     if width == cand.x.shape[-1]:
         return cand
     x, deficit = cand.x[:, :width], cand.deficit[:, :width]
-    incomplete = (x[:, -1] > 0) & (deficit[:, -1] > 0)
-    known = (x > 0).sum(-1).masked_fill_(incomplete, UNBOUNDED)
-    return Candidates(x, cand.index[:, :width], deficit, cand.valid, known,
+    return Candidates(x, cand.index[:, :width], deficit, cand.valid, _known(x, deficit),
                       cand.log_x[:, :width])
 
 

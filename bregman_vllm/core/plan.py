@@ -10,7 +10,7 @@ Each `Group` holds the rows of one family, either every row of the batch in orde
 None``; the common case, no row gather) or the positions listed in ``rows``. Per-row values are
 Python numbers when the whole group shares them (no tensor at all, the common case of one
 request configuration) or device tensors otherwise. Groups of one window size class are
-decoded in one pass over their rows (`Plan.joints`, made once per plan with the device copies
+decoded in one pass over their rows (`Plan.passes`, made once per plan with the device copies
 of their positions), so that a batch mixing families is not a pass per family.
 """
 
@@ -96,18 +96,6 @@ class Group:
     #: Host values the step derives from the group, once per plan (`step`).
     derived: dict = field(default_factory=dict, repr=False, compare=False)
 
-    @property
-    def alpha(self) -> float | Tensor:
-        return self.values["alpha"]
-
-    @property
-    def lam(self) -> float | Tensor:
-        return self.values["lam"]
-
-    @property
-    def size(self) -> int | Tensor:
-        return self.values["size"]
-
     def rows_or_all(self, device: torch.device) -> Tensor:
         if self.rows is not None:
             return self.rows
@@ -170,16 +158,6 @@ class Plan:
     def with_groups(self, groups: tuple[Group, ...]) -> Plan:
         """This plan's batch (its temperatures too) with only ``groups``."""
         return Plan(groups, self.batch, self.vocab, self.scale, self.temperature)
-
-    @property
-    def joints(self) -> tuple[Joint, ...]:
-        """The joint passes of the eager step (`passes`)."""
-        return self.passes()[1]
-
-    @property
-    def alone(self) -> tuple[Group, ...]:
-        """The groups decoded in a pass of their own by the eager step (`passes`)."""
-        return self.passes()[0]
 
 
 def _joint(members: list[Group], batch: int) -> Joint:

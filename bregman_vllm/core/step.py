@@ -57,6 +57,7 @@ from .plan import (
     Group,
     Joint,
     Plan,
+    _to_device,
 )
 from .window import (
     Decoded,
@@ -435,22 +436,26 @@ def _exact_inputs(group: Group, device: torch.device, piece: slice | None = None
     """The group's parameters for the exact path, one per row of the group (or of its rows
     ``piece``), or (``where``) spread over ``total`` rows of which ``where`` are the group's
     (the others get the group's first values and are never decoded)."""
-    def per_row(name: str, dtype: torch.dtype) -> Tensor:
-        values = torch.tensor(group.host[name], dtype=dtype, device=device)
-        if values.numel() == 1:  # shared by the whole group
-            values = values.expand(group.count)
+    key = ("exact inputs", device)
+    if key not in group.derived:  # once per plan: pinned, non-blocking copies
+        group.derived[key] = {
+            name: _to_device(group.host[name], dtype, device).expand(group.count)
+            for name, dtype in (("alpha", torch.float64), ("lam", torch.float64),
+                                ("size", torch.long), ("cap", torch.long),
+                                *((name, ROW_DTYPES[name]) for name in ROW_FIELDS))}
+    full = group.derived[key]
+
+    def per_row(name: str) -> Tensor:
+        values = full[name]
         if piece is not None:
             values = values[piece]
         if where is not None:
             values = values[:1].expand(total).clone().index_copy_(0, where, values)
         return values
 
-    alpha = per_row("alpha", torch.float64)
-    lam = per_row("lam", torch.float64)
-    size = per_row("size", torch.long)
-    cap = per_row("cap", torch.long)
+    alpha, lam, size, cap = (per_row(name) for name in ("alpha", "lam", "size", "cap"))
     fixed = size if group.fixed else torch.zeros_like(size)
-    values = {name: per_row(name, ROW_DTYPES[name]) for name in ROW_FIELDS}
+    values = {name: per_row(name) for name in ROW_FIELDS}
     return exact_plan(group.mode, alpha, lam, fixed, cap, group.generator,
                       None if group.generator is not None else group.family, values)
 
