@@ -222,6 +222,15 @@ def test_middleware_and_key_in_every_api_server(live: Live) -> None:
             connection.close()
 
 
+def _soon_refused(send: Any, within: float = 5.0) -> httpx.Response:
+    """``send()`` again until it is answered 503 or ``within`` seconds have passed."""
+    deadline = time.monotonic() + within
+    while (response := send()).status_code != 503 and time.monotonic() < deadline:
+        assert response.status_code == 200, response.text
+        time.sleep(0.05)
+    return response
+
+
 def _one_connection_per_api_server(live: Live, held: list[socket.socket]
                                    ) -> list[socket.socket]:
     """Connections opened until each API server holds one (every connection opened is put in
@@ -309,10 +318,13 @@ def test_sigterm_to_the_process_group_drains_every_api_server(live: Live) -> Non
         live.server.remember_descendants()
         signalled = time.monotonic()
         os.killpg(os.getpgid(live.server.pid), signal.SIGTERM)
-        refused = httpx.get(live.url + "/health", timeout=30)
+        # The signal reaches the API servers through the server process, a moment later: a new
+        # connection may still land on one that has not heard it yet.
+        refused = _soon_refused(lambda: httpx.get(live.url + "/health", timeout=30))
         assert refused.status_code == 503, refused.text
-        refused = httpx.post(live.url + "/v1/completions", headers=AUTH, timeout=30,
-                             json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+        refused = _soon_refused(lambda: httpx.post(
+            live.url + "/v1/completions", headers=AUTH, timeout=30,
+            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}))
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutdown"
         for thread in threads:
             thread.join(GRACE + 60)
