@@ -19,6 +19,7 @@ Plus the unit checks of what `bregman_server.engine` decides before vLLM starts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -56,7 +57,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 GRACE = 120  # seconds: far more than the streams need, on a loaded 2-core machine
 ARGS = ["--model", MODEL, "--api-key", KEY, "--logprobs-mode", "processed_logprobs",
         "--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "32",
-        "--graceful-timeout", str(GRACE), "--data-parallel-size", "2", "--api-server-count", "2"]
+        "--graceful-timeout", str(GRACE), "--data-parallel-size", "2", "--api-server-count", "2",
+        # The drain test's connections may wait for a while on a loaded machine.
+        "--header-timeout", str(GRACE), "--keep-alive-timeout", str(GRACE)]
 READY = re.compile(r"^bregman-serve ready on http://127\.0\.0\.1:(\d+) \(vLLM \S+, model "
                    r"models/tiny-llama, data parallel 2, 2 API servers\)$", re.M)
 
@@ -148,18 +151,46 @@ class Live:
         text = self.metrics()
         return [finished_requests(text, engine=str(rank)) for rank in (0, 1)]
 
-    def owner(self, local_port: int) -> int | None:
-        """The API server process holding the server side of a client connection."""
-        import psutil
+    def owner(self, local_port: int, within: float = 30.0) -> int | None:
+        """The API server process holding the server side of a client connection (None if no
+        API server accepted it within ``within`` seconds)."""
+        return self.owners([local_port], within)[0]
 
-        for _ in range(100):
-            for pid in self.api_servers:
-                for connection in psutil.Process(pid).net_connections("tcp"):
-                    if (connection.laddr.port == self.server.port and connection.raddr
-                            and connection.raddr.port == local_port):
-                        return pid
+    def owners(self, local_ports: list[int], within: float = 30.0) -> list[int | None]:
+        """`owner` of several connections, found together: the kernel's table of TCP sockets
+        (/proc/net/tcp, read once per try) gives each server-side socket's inode, the API
+        servers' file descriptors its process. (psutil's per-process lookup reads the whole
+        table once per process and call: seconds each after the suite's thousands of
+        connections.)"""
+        deadline = time.monotonic() + within
+        found: dict[int, int] = {}
+        while True:
+            inodes = _server_side_inodes(self.server.port, set(local_ports) - set(found))
+            if inodes:
+                for pid in self.api_servers:
+                    for fd in os.listdir(f"/proc/{pid}/fd"):
+                        with contextlib.suppress(OSError):
+                            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                            if target in inodes:
+                                found[inodes[target]] = pid
+            if len(found) == len(set(local_ports)) or time.monotonic() > deadline:
+                return [found.get(port) for port in local_ports]
             time.sleep(0.01)
-        return None
+
+
+def _server_side_inodes(server_port: int, client_ports: set[int]) -> dict[str, int]:
+    """``socket:[inode]`` of each loopback connection from one of ``client_ports`` to
+    ``server_port``, server side (IPv4: the servers listen on 127.0.0.1)."""
+    inodes: dict[str, int] = {}
+    with open("/proc/net/tcp") as table:
+        next(table)
+        for line in table:
+            fields = line.split()
+            local, remote = int(fields[1].rsplit(":", 1)[1], 16), int(
+                fields[2].rsplit(":", 1)[1], 16)
+            if local == server_port and remote in client_ports:
+                inodes[f"socket:[{fields[9]}]"] = remote
+    return inodes
 
 
 def start_ready(server: ServerProcess) -> Live:
@@ -210,7 +241,7 @@ def test_middleware_and_key_in_every_api_server(live: Live) -> None:
     held: list[socket.socket] = []
     try:
         bad = json.dumps({"model": MODEL, "prompt": PROMPT, "bregman_top_k": 0}).encode()
-        for connection in _one_connection_per_api_server(live, held):
+        for connection in _one_connection_per_api_server(live, held).values():
             status, body = _exchange(connection, b"GET", b"/metrics", b"")
             assert status == 401 and body["error"]["code"] == "invalid_api_key"
             status, body = _exchange(connection, b"POST", b"/v1/completions", bad, auth=True)
@@ -222,19 +253,10 @@ def test_middleware_and_key_in_every_api_server(live: Live) -> None:
             connection.close()
 
 
-def _soon_refused(send: Any, within: float = 5.0) -> httpx.Response:
-    """``send()`` again until it is answered 503 or ``within`` seconds have passed."""
-    deadline = time.monotonic() + within
-    while (response := send()).status_code != 503 and time.monotonic() < deadline:
-        assert response.status_code == 200, response.text
-        time.sleep(0.05)
-    return response
-
-
 def _one_connection_per_api_server(live: Live, held: list[socket.socket]
-                                   ) -> list[socket.socket]:
+                                   ) -> dict[int, socket.socket]:
     """Connections opened until each API server holds one (every connection opened is put in
-    ``held``, for the caller to close); one per API server."""
+    ``held``, for the caller to close); one per API server, by its process ID."""
     owners: dict[int, socket.socket] = {}
     while len(owners) < 2 and len(held) < 16:
         connection = socket.create_connection(("127.0.0.1", live.server.port), timeout=60)
@@ -243,7 +265,7 @@ def _one_connection_per_api_server(live: Live, held: list[socket.socket]
         assert owner is not None
         owners.setdefault(owner, connection)
     assert sorted(owners) == live.api_servers
-    return list(owners.values())
+    return owners
 
 
 def _exchange(connection: socket.socket, method: bytes, path: bytes, body: bytes,
@@ -296,47 +318,53 @@ def test_engine_metrics_add_up_over_engines_and_api_servers(live: Live) -> None:
 @pytest.mark.timeout(900)
 def test_sigterm_to_the_process_group_drains_every_api_server(live: Live) -> None:
     """``kill -- -PGID`` with streams open on both API servers: the engines keep running
-    (they are not in that group), each API server refuses new requests and lets its streams
-    finish, then the server stops everything and exits 0."""
+    (they are not in that group), each API server refuses new requests (/health and a
+    completion, 503 ``shutdown``) while its streams run to their end, then the server stops
+    everything and exits 0."""
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "n": 4,
                        "ignore_eos": True, "stream": True}).encode()
     results: dict[int, Any] = {}
     connections = [socket.create_connection(("127.0.0.1", live.server.port), timeout=GRACE)
                    for _ in range(4)]
-    owners = [live.owner(connection.getsockname()[1]) for connection in connections]
     started = [threading.Event() for _ in connections]
     threads = [threading.Thread(target=_read_stream, args=(connection, body, results, index,
                                                            started[index]))
                for index, connection in enumerate(connections)]
+    held: list[socket.socket] = []
     for thread in threads:
         thread.start()
     try:
+        owners = live.owners([connection.getsockname()[1] for connection in connections])
         assert sorted(set(owners)) == live.api_servers, f"streams on both: {owners}"
         for event in started:  # each stream has sent its first tokens
             assert event.wait(60)
+        # One kept-alive connection per API server, accepted and answered before the signal:
+        # the refusal is checked on each of them. (A new connection would wait for a busy API
+        # server to accept it, and one still queued when the drains end is reset with the
+        # listening socket.)
+        probes = _one_connection_per_api_server(live, held)
+        for probe in probes.values():
+            assert _exchange(probe, b"GET", b"/health", b"")[0] == 200
         assert not results, "a stream ended before the signal: make them longer"
         live.server.remember_descendants()
         signalled = time.monotonic()
         os.killpg(os.getpgid(live.server.pid), signal.SIGTERM)
-        # The signal reaches the API servers through the server process, a moment later: a new
-        # connection may still land on one that has not heard it yet.
-        refused = _soon_refused(lambda: httpx.get(live.url + "/health", timeout=30))
-        assert refused.status_code == 503, refused.text
-        refused = _soon_refused(lambda: httpx.post(
-            live.url + "/v1/completions", headers=AUTH, timeout=30,
-            json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}))
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutdown"
+        refused = {pid: _refused_on(probe) - signalled for pid, probe in probes.items()}
+        for connection in held:
+            connection.close()
         for thread in threads:
             thread.join(GRACE + 60)
     finally:
-        for connection in connections:
+        for connection in connections + held:
             connection.close()
     assert live.server.process is not None
     code = live.server.process.wait(GRACE + 60)
     exited = time.monotonic() - signalled
     ends, after = [], []
-    for status, lines, ended, blocks in results.values():
-        # Each stream was still being generated when the signal came (2000 tokens x 4 take
+    last_end = dict.fromkeys(live.api_servers, 0.0)  # when each API server's last stream ended
+    for index, (status, lines, ended, blocks) in results.items():
+        last_end[owners[index]] = max(last_end[owners[index]], ended - signalled)
+        # Each stream was still being generated when the signal came (2000 tokens take
         # seconds): part of it arrived after.
         after.append(round(sum(size for when, size in blocks if when > signalled)
                            / sum(size for _, size in blocks), 2))
@@ -344,11 +372,32 @@ def test_sigterm_to_the_process_group_drains_every_api_server(live: Live) -> Non
         assert status == 200, lines[-3:]
         assert_stream_ran_to_length(lines, 4)
         ends.append(round(ended - signalled, 1))
+    # Each API server refused while it still had a stream to finish (its drain).
+    assert all(refused[pid] < last_end[pid] for pid in live.api_servers), (refused, last_end)
     FIGURES["drain"] = {"streams": len(ends), "stream_ends_after_signal_s": sorted(ends),
+                        "refused_after_signal_s": sorted(round(seconds, 2)
+                                                         for seconds in refused.values()),
                         "share_of_bytes_after_signal": sorted(after),
                         "grace_s": GRACE, "exit_code": code, "exit_after_s": round(exited, 1)}
     assert len(ends) == 4 and code == 0
     assert not live.server.leftovers(), "processes left behind"
+
+
+def _refused_on(connection: socket.socket, within: float = 60.0) -> float:
+    """When the API server holding ``connection`` began to refuse: /health again until it is
+    503 (the signal reaches each API server through the process that started it, a moment
+    later), then a completion on the same connection, 503 too."""
+    deadline = time.monotonic() + within
+    while (answer := _exchange(connection, b"GET", b"/health", b""))[0] == 200:
+        assert time.monotonic() < deadline, "still healthy after the signal"
+        time.sleep(0.05)
+    when = time.monotonic()
+    status, body = answer
+    assert status == 503 and body["error"]["code"] == "shutdown", answer
+    completion = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).encode()
+    status, body = _exchange(connection, b"POST", b"/v1/completions", completion, auth=True)
+    assert status == 503 and body["error"]["code"] == "shutdown", (status, body)
+    return when
 
 
 def _read_stream(connection: socket.socket, body: bytes, results: dict[int, Any], index: int,
