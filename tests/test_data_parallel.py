@@ -440,7 +440,7 @@ def test_engine_death_reaches_every_api_server(tmp_path: Path) -> None:
     held: list[socket.socket] = []
     try:
         dead = start_ready(server)
-        connections = _one_connection_per_api_server(dead, held)
+        connections = _one_connection_per_api_server(dead, held).values()
         server.remember_descendants()
         os.kill(dead.engines[-1], signal.SIGKILL)
         body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).encode()
