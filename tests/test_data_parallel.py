@@ -56,7 +56,7 @@ KEY = secrets.token_hex(8)
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GRACE = 120  # seconds: far more than the streams need, on a loaded 2-core machine
 ARGS = ["--model", MODEL, "--api-key", KEY, "--logprobs-mode", "processed_logprobs",
-        "--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "32",
+        "--enforce-eager", "--max-model-len", "4096", "--max-num-seqs", "32",
         "--graceful-timeout", str(GRACE), "--data-parallel-size", "2", "--api-server-count", "2",
         # The drain test's connections may wait for a while on a loaded machine.
         "--header-timeout", str(GRACE), "--keep-alive-timeout", str(GRACE)]
@@ -321,7 +321,9 @@ def test_sigterm_to_the_process_group_drains_every_api_server(live: Live) -> Non
     (they are not in that group), each API server refuses new requests (/health and a
     completion, 503 ``shutdown``) while its streams run to their end, then the server stops
     everything and exits 0."""
-    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "n": 4,
+    # Streams that outlast the seconds a test process can go without running on a loaded
+    # 2-core machine (seen: 7.6 s), so that both refusals are checked inside the drains.
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4000, "n": 4,
                        "ignore_eos": True, "stream": True}).encode()
     results: dict[int, Any] = {}
     connections = [socket.create_connection(("127.0.0.1", live.server.port), timeout=GRACE)
@@ -364,7 +366,7 @@ def test_sigterm_to_the_process_group_drains_every_api_server(live: Live) -> Non
     last_end = dict.fromkeys(live.api_servers, 0.0)  # when each API server's last stream ended
     for index, (status, lines, ended, blocks) in results.items():
         last_end[owners[index]] = max(last_end[owners[index]], ended - signalled)
-        # Each stream was still being generated when the signal came (2000 tokens take
+        # Each stream was still being generated when the signal came (4000 tokens take
         # seconds): part of it arrived after.
         after.append(round(sum(size for when, size in blocks if when > signalled)
                            / sum(size for _, size in blocks), 2))
@@ -420,11 +422,12 @@ def _read_stream(connection: socket.socket, body: bytes, results: dict[int, Any]
         time.sleep(0.05)
     started.set()
     head, _, rest = b"".join(blocks).partition(b"\r\n\r\n")
-    payload = []
-    while rest:  # chunked transfer encoding: hex size, CRLF, data, CRLF
-        size, _, rest = rest.partition(b"\r\n")
-        payload.append(rest[:int(size, 16)])
-        rest = rest[int(size, 16) + 2:]
+    payload, at = [], 0
+    while at < len(rest):  # chunked transfer encoding: hex size, CRLF, data, CRLF
+        end = rest.index(b"\r\n", at)
+        size = int(rest[at:end], 16)
+        payload.append(rest[end + 2:end + 2 + size])
+        at = end + 2 + size + 2  # (by offset: slicing off the rest is quadratic in the stream)
     lines = [line for line in b"".join(payload).decode().splitlines() if line]
     results[index] = (int(head.split()[1]), lines, arrivals[-1][0], arrivals)
 
