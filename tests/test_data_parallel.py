@@ -329,8 +329,10 @@ def test_sigterm_to_the_process_group_drains_every_api_server(live: Live) -> Non
     connections = [socket.create_connection(("127.0.0.1", live.server.port), timeout=GRACE)
                    for _ in range(4)]
     started = [threading.Event() for _ in connections]
+    reading = threading.Event()
+    reading.set()
     threads = [threading.Thread(target=_read_stream, args=(connection, body, results, index,
-                                                           started[index]))
+                                                           started[index], reading))
                for index, connection in enumerate(connections)]
     held: list[socket.socket] = []
     for thread in threads:
@@ -349,14 +351,18 @@ def test_sigterm_to_the_process_group_drains_every_api_server(live: Live) -> Non
             assert _exchange(probe, b"GET", b"/health", b"")[0] == 200
         assert not results, "a stream ended before the signal: make them longer"
         live.server.remember_descendants()
+        # The readers pause while the refusals are checked: woken by a stream's bytes, four of
+        # them kept this thread from running for up to 20 s on a loaded machine.
+        reading.clear()
         signalled = time.monotonic()
         os.killpg(os.getpgid(live.server.pid), signal.SIGTERM)
-        refused = {pid: _refused_on(probe) - signalled for pid, probe in probes.items()}
-        for connection in held:
-            connection.close()
+        refused = {pid: _refused_on(probe, "shutdown") - signalled
+                   for pid, probe in probes.items()}
+        reading.set()
         for thread in threads:
             thread.join(GRACE + 60)
     finally:
+        reading.set()
         for connection in connections + held:
             connection.close()
     assert live.server.process is not None
@@ -385,34 +391,35 @@ def test_sigterm_to_the_process_group_drains_every_api_server(live: Live) -> Non
     assert not live.server.leftovers(), "processes left behind"
 
 
-def _refused_on(connection: socket.socket, within: float = 60.0) -> float:
-    """When the API server holding ``connection`` began to refuse: /health again until it is
-    503 (the signal reaches each API server through the process that started it, a moment
-    later), then a completion on the same connection, 503 too."""
+def _refused_on(connection: socket.socket, code: str, within: float = 60.0) -> float:
+    """When the API server holding ``connection`` began to refuse with ``code`` (shutdown,
+    engine_dead): /health again until it is 503 (a signal reaches each API server through the
+    process that started it, a moment later), then a completion on the same connection, 503
+    too."""
     deadline = time.monotonic() + within
     while (answer := _exchange(connection, b"GET", b"/health", b""))[0] == 200:
         assert time.monotonic() < deadline, "still healthy after the signal"
         time.sleep(0.05)
     when = time.monotonic()
     status, body = answer
-    assert status == 503 and body["error"]["code"] == "shutdown", answer
+    assert status == 503 and body["error"]["code"] == code, answer
     completion = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).encode()
     status, body = _exchange(connection, b"POST", b"/v1/completions", completion, auth=True)
-    assert status == 503 and body["error"]["code"] == "shutdown", (status, body)
+    assert status == 503 and body["error"]["code"] == code, (status, body)
     return when
 
 
 def _read_stream(connection: socket.socket, body: bytes, results: dict[int, Any], index: int,
-                 started: threading.Event) -> None:
-    """POST a streamed completion on ``connection`` and read it to the end, in large blocks:
-    (status, the SSE lines, when it ended, (when, size) of each block read). ``started`` is set
-    at the first token."""
+                 started: threading.Event, reading: threading.Event) -> None:
+    """POST a streamed completion on ``connection`` and read it to the end, in large blocks,
+    while ``reading`` is set: (status, the SSE lines, when it ended, (when, size) of each block
+    read). ``started`` is set at the first token."""
     connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
                        b"Content-Type: application/json\r\nAuthorization: Bearer "
                        + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
     blocks: list[bytes] = []
     arrivals: list[tuple[float, int]] = []
-    while block := connection.recv(1 << 20):
+    while reading.wait() and (block := connection.recv(1 << 20)):
         blocks.append(block)
         arrivals.append((time.monotonic(), len(block)))
         if b"data: {" in block:
@@ -446,14 +453,8 @@ def test_engine_death_reaches_every_api_server(tmp_path: Path) -> None:
         connections = _one_connection_per_api_server(dead, held).values()
         server.remember_descendants()
         os.kill(dead.engines[-1], signal.SIGKILL)
-        body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).encode()
         for connection in connections:
-            deadline = time.monotonic() + 10
-            while (status := _exchange(connection, b"GET", b"/health", b"")[0]) != 503:
-                assert status == 200 and time.monotonic() < deadline, status
-                time.sleep(0.05)
-            status, answer = _exchange(connection, b"POST", b"/v1/completions", body, auth=True)
-            assert status == 503 and answer["error"]["code"] == "engine_dead", answer
+            _refused_on(connection, "engine_dead", within=10)
         for connection in held:
             connection.close()
         assert server.process is not None and server.process.wait(120) == 3
