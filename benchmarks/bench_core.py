@@ -383,6 +383,12 @@ EXTREMES: dict[str, dict] = {
     "primal a=3 lam=1e-12 (interior)": dict(alpha=3.0, lam=1e-12),
     "dual a=2.5 lam=1e-12 (interior)": dict(alpha=2.5, lam=1e-12, mode="dual"),
     "dual a=1.001 lam=1e-2 (interior)": dict(alpha=1.001, lam=1e-2, mode="dual"),
+    # the costliest of the parameter sweep (`sweep_table`, [8, 49152] and [4, 4096]):
+    "dual a=4 lam=1e-20 (interior)": dict(alpha=4.0, lam=1e-20, mode="dual"),
+    "dual a=7 lam=1e-70 (interior)": dict(alpha=7.0, lam=1e-70, mode="dual"),
+    "dual a=20 lam=1e-200 (interior)": dict(alpha=20.0, lam=1e-200, mode="dual"),
+    "dual a=20 lam=1e-240 (interior)": dict(alpha=20.0, lam=1e-240, mode="dual"),
+    "primal a=20 lam=1e-240 (interior)": dict(alpha=20.0, lam=1e-240),
 }
 #: The findings of issue 18, refused by the parameter model now (|alpha| above 1e8).
 REFUSED = {
@@ -408,8 +414,10 @@ def _side_by_side(calls: list[Callable[[], object]], device: str, repeats: int
 #: The stated bound M on the counted work of one call over the default configuration's on the
 #: same rows (`work`: elements and launched ops, each within M times the default's). It holds
 #: for every case of this table at [4, 4096] (`tests/test_benchmarks.py` requires it there) and
-#: at [8, 49152] on realistic rows; not on flat [8, 49152] rows with a general dual alpha and k*
-#: in the tens of thousands (dual alpha 2.5, lambda 1e-12: about 2400x, docs/benchmarks.md).
+#: at [8, 49152], realistic and flat rows, and over the parameter sweep (`sweep_table`) at
+#: [8, 49152], [4, 4096] and [8, 128256] (the worst: dual alpha 20, lambda 1e-240 on peaked rows
+#: of 49152, k* in the tens of thousands, about 285x elements; docs/benchmarks.md). Before the
+#: multiplier search the same sweep found 6448x.
 WORK_BOUND = 300.0
 
 
@@ -509,6 +517,70 @@ def extremes_table(args, device: str) -> None:
               f"({worst_work[0]}); bound M = {WORK_BOUND:.0f}x")
 
 
+#: The sweep's grid (``--only sweep``): per mode, alphas across the accepted range, and for each
+#: alpha the lambdas 10^(-alpha t), which put p^alpha / alpha (the scale of the gaps, eq. (6))
+#: at every size of a row, from a few tokens to the whole vocabulary, on flat and peaked rows.
+SWEEP_ALPHAS = {"primal": [0.01, 0.3, 0.7, 1.05, 1.2, 3.0, 7.5, 20.0, 100.0],
+                "dual": [1.001, 1.01, 1.1, 1.3, 1.5001, 2.5, 4.0, 7.0, 20.0, 100.0]}
+SWEEP_EXPONENTS = [1, 2, 3, 4, 4.5, 5, 5.5, 6, 7, 8, 10, 12, 15]
+
+
+def sweep_lambdas(alpha: float) -> list[float]:
+    """The lambdas of the sweep for ``alpha`` (distinct, within float64's range)."""
+    values = [max(10.0 ** (-alpha * t), TINY) for t in SWEEP_EXPONENTS]
+    return list(dict.fromkeys(values))
+
+
+def sweep_table(args, device: str) -> None:
+    """The counted work of one `bregman_decode_logits` call (elements and launched ops over the
+    default configuration's on the same rows, `work`) across `SWEEP_ALPHAS` x `sweep_lambdas`,
+    on flat and on peaked rows: per (mode, alpha) the costliest lambda, then the costliest of
+    all against the bound ``WORK_BOUND``. Counts only: load-independent. ``--quick``: every
+    third alpha and lambda (a smoke run)."""
+    batch, vocab = (int(x) for x in args.sweep_shape.lower().split("x"))
+    g = torch.Generator(device="cpu").manual_seed(0)
+    scale = 3.0 + 4.0 * torch.rand(batch, 1, generator=g)
+    inputs = {"peaked": torch.randn(batch, vocab, generator=g) * scale,
+              "flat": torch.randn(batch, vocab, generator=g) * 0.3}
+    print(f"\nsweep at [{batch}, {vocab}]: the costliest lambda of each alpha (lambda = "
+          f"10^(-alpha t), t in {SWEEP_EXPONENTS}); work x / ops x: counted elements / "
+          f"launched ops over the default call's (eager)")
+    print(f"{'rows':<7} {'mode':<7} {'alpha':>7} {'lambda':>10} {'work x':>7} {'ops x':>6} "
+          f"{'median k*':>9} {'cases':>5}")
+    worst = (0.0, "")
+    for kind, logits in inputs.items():
+        logits = logits.to(device)
+
+        def default_call(logits=logits):
+            return bregman_decode_logits(logits, **EXTREMES["default primal a=1.5 lam=1e-2"])
+
+        default_call()
+        base = work(default_call)
+        for mode, alphas in SWEEP_ALPHAS.items():
+            for alpha in alphas[1::3] if args.quick else alphas:
+                lambdas = sweep_lambdas(alpha)[::3] if args.quick else sweep_lambdas(alpha)
+                rows = []
+                for lam in lambdas:
+                    call = lambda lam=lam, logits=logits, alpha=alpha, mode=mode: (  # noqa: E731
+                        bregman_decode_logits(logits, alpha=alpha, lam=lam, mode=mode))
+                    out = call()
+                    if bool(out.isnan().any()) or not bool(
+                            torch.isfinite(torch.logsumexp(out.double(), -1)).all()):
+                        raise AssertionError(f"not a distribution: {mode} {alpha} {lam}")
+                    elements, launches = work(call)
+                    k = int((out > -math.inf).sum(-1).float().median())
+                    rows.append((max(elements / base[0], launches / base[1]), lam,
+                                 elements / base[0], launches / base[1], k))
+                top = max(rows)
+                line = (f"{kind:<7} {mode:<7} {alpha:>7g} {top[1]:>10.3g} {top[2]:>7.1f} "
+                        f"{top[3]:>6.1f} {top[4]:>9d} {len(rows):>5d}")
+                print(line, flush=True)
+                if top[0] > worst[0]:
+                    worst = (top[0], line)
+    print(f"worst counted multiple {worst[0]:.1f}x ({' '.join(worst[1].split())}); "
+          f"bound M = {WORK_BOUND:.0f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -520,11 +592,12 @@ def main() -> None:
                         help="shapes BxV of the GPU-readiness table (none: skip it)")
     parser.add_argument("--compile", choices=["0", "1", "both"], default="0",
                         help="GPU-readiness table: eager (0), compiled (1) or both")
-    parser.add_argument("--only", choices=["ratios", "steps", "extremes"],
-                        help="run only the ratio tables, the GPU-readiness table or the "
-                             "extreme-parameter table")
+    parser.add_argument("--only", choices=["ratios", "steps", "extremes", "sweep"],
+                        help="run only the ratio tables, the GPU-readiness table, the "
+                             "extreme-parameter table or the parameter sweep")
     parser.add_argument("--extremes-shape", default="64x49152",
                         help="BxV of the extreme-parameter table")
+    parser.add_argument("--sweep-shape", default="8x49152", help="BxV of the parameter sweep")
     parser.add_argument("--baseline", metavar="REV",
                         help="ratio tables: also time the core of git revision REV, "
                              "interleaved (e.g. 3ef72a5, the core before the fixed-shape step)")
@@ -535,6 +608,7 @@ def main() -> None:
         args.batch, args.vocab, args.repeats = [1, 4], [4096], 2
         args.step_shapes = ["4x4096"]
         args.extremes_shape = "4x4096"
+        args.sweep_shape = "4x4096"
     device = args.device
     torch.manual_seed(0)
     print(f"device {device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
@@ -544,7 +618,9 @@ def main() -> None:
         ratio_tables(args, device)
     if args.only in (None, "extremes"):
         extremes_table(args, device)
-    if args.only not in ("ratios", "extremes") and args.step_shapes:
+    if args.only in (None, "sweep"):
+        sweep_table(args, device)
+    if args.only not in ("ratios", "extremes", "sweep") and args.step_shapes:
         print("\nGPU readiness: one bregman_decode_logits call per configuration")
         modes = {"0": ["0"], "1": ["1"], "both": ["0", "1"]}[args.compile]
         for shape in args.step_shapes:

@@ -84,3 +84,29 @@ def test_extreme_parameter_table_runs_and_every_case_decodes_to_a_distribution()
     for name in bench_core.REFUSED:
         rows = [line for line in lines if line[:36].rstrip() == name]
         assert len(rows) == 2 and all("refused (400)" in row for row in rows), rows
+
+
+def test_parameter_sweep_stays_within_the_stated_bound():
+    """`bench_core.py --only sweep` (issue 18, part 3): alphas across both modes' ranges, each
+    with lambdas that put k* anywhere from a few tokens to the whole row, on flat and peaked
+    rows; every call decodes to a distribution (the script raises otherwise) and its counted
+    work (elements and launched ops) is within ``WORK_BOUND`` of the default configuration's.
+    (`--quick`: [4, 4096], every third alpha and lambda; the full sweep's figures are in
+    docs/benchmarks.md.)"""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_core.py", "--quick", "--only", "sweep"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_core
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    rows = [line.split() for line in done.stdout.splitlines()
+            if line.split()[:1] in (["peaked"], ["flat"])]
+    assert len(rows) == 2 * sum(len(alphas[1::3]) for alphas in bench_core.SWEEP_ALPHAS.values())
+    for row in rows:
+        assert float(row[4]) <= bench_core.WORK_BOUND and float(row[5]) <= bench_core.WORK_BOUND
+    # the sweep reaches the costly regime: k* in the thousands on some row of either kind
+    assert max(int(row[6]) for row in rows) > 1000
+    assert "bound M = " in done.stdout

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bregman_vllm import bregman_decode, bregman_decode_logits, renormalize
-from bregman_vllm.core.dual import nested_log_renorm
+from bregman_vllm.core.dual import dual_log_renorm
 from bregman_vllm.core.exact import decode_exact, exact_plan, renorm_rows
 from bregman_vllm.core.families import Family
 from bregman_vllm.core.primal import newton_log_renorm, support_mask, three_halves_log_renorm
@@ -183,8 +183,8 @@ def test_dual_closed_inner_solve_equals_nested_newton(alpha):
     log_deficit = torch.log1p(-torch.where(mask, p, 0.0).sum(-1).clamp_max(1 - 1e-300))
     a = torch.full((40,), alpha, dtype=F64)
     family = Family.DUAL_THREE_HALVES if alpha == 1.5 else Family.DUAL_THREE
-    closed = nested_log_renorm(torch.log(p), mask, a, log_deficit, k, closed=family).exp()
-    newton = nested_log_renorm(torch.log(p), mask, a, log_deficit, k).exp()
+    closed = dual_log_renorm(torch.log(p), mask, a, log_deficit, k, closed=family).exp()
+    newton = dual_log_renorm(torch.log(p), mask, a, log_deficit, k).exp()
     assert not closed.isnan().any()
     assert (closed - newton).abs().max() < 1e-13
     assert torch.allclose(closed.sum(-1), torch.ones(40, dtype=F64), atol=1e-14)

@@ -12,12 +12,20 @@ Pipeline, per batch of rows (vectorized over rows; loops run over rounds and pro
    `candidates.Candidates` as the fixed-shape step's.
 2. Support size. Fixed k: min(top_k, k_max, number of nonzero entries). Adaptive: the smallest k
    with G(k) <= lambda (`gaps`), in closed form over all k for (primal, 1), (primal, 3/2) and
-   alpha = 2, otherwise by one window probe of `PROBE_WINDOW` sizes, then galloping and binary
-   search on the sign of G(m) - lambda, each probe solving T_m and T_(m+1) to the rounding
-   floor (`roots`) and evaluating G(m) as a sum of nonnegative terms (the Bregman Pythagorean
-   identity). Greedy property and k-convexity (Theorems 3.1, 3.2 and 3.3 of arXiv 2505.19371)
-   make the first k with G(k) <= lambda the global minimizer. A row whose k* is not certified
-   inside its W candidates goes to the next round with 8 W candidates (up to the whole row).
+   alpha = 2; otherwise, after a lower bound from the floor of every gap (`_floor_sizes`), by
+   one window probe of the exact gaps of `PROBE_WINDOW` sizes (k* is usually small), then by
+   multiplier probes (`_guided`): each solves one map T_m by its multiplier nu_m
+   (`roots.Multiplier`: the primal's Newton, the dual's joint Newton) and weak duality bounds
+   both neighbouring gaps by the entries' terms at nu_m, w(p_(m+1), nu_(m+1)) <= G(m) <=
+   w(p_(m+1), nu_m) (`gaps.log_entry_term`), which decides k* >= m or k* <= m (or both);
+   the next size is predicted from nu_m by a Halley step of the maps' equations; a bracket of
+   two adjacent sizes is decided by the exact gap of the two maps held, with the ratios
+   q_i / q'_i from the multipliers (no rounding of two normalized maps). A few probes, one
+   map each, where k* is in the tens of thousands. User generators (no multiplier) gallop
+   and bisect on exact gaps (`_bisect`). Greedy property and k-convexity (Theorems 3.1, 3.2
+   and 3.3 of arXiv 2505.19371) make the first k with G(k) <= lambda the global minimizer. A
+   row whose k* is not certified inside its W candidates goes to the next round with 8 W
+   candidates (up to the whole row).
 3. log T_k* on the support, written into the output by the step's writer
    (`write.write_support`).
 
@@ -35,9 +43,9 @@ from typing import NamedTuple
 import torch
 
 from .candidates import UNBOUNDED, Candidates, candidates, take
-from .dual import nested_log_renorm
+from .dual import dual_log_renorm, dual_multiplier
 from .families import CLOSED_FORM_FAMILIES, CLOSED_GAP_FAMILIES, Family
-from .gaps import dual_log_gap, primal_log_gap
+from .gaps import dual_log_gap, log_entry_term, primal_log_gap
 from .generators import (
     BregmanGenerator,
     generic_dual_renorm,
@@ -45,7 +53,15 @@ from .generators import (
     generic_primal_renorm,
 )
 from .plan import DEFAULT_ROW_VALUES, ROW_DTYPES, ROW_FIELDS, make_plan, rows_family
-from .primal import closed_log_renorm, kl_log_renorm, newton_log_renorm, support_mask
+from .primal import (
+    _normalized,
+    closed_log_renorm,
+    kl_log_renorm,
+    newton_log_renorm,
+    primal_multiplier,
+    support_mask,
+)
+from .roots import Multiplier
 from .window import Decoded, closed_sizes, support_range
 from .write import output_values, write_support
 
@@ -57,7 +73,10 @@ _GROWTH = 8
 _FULL_SORT_FRACTION = 4
 #: Bytes of float64 work arrays one chunk of a whole-row round may hold (about 8 per entry).
 MEMORY_BUDGET = 256 * 1024 * 1024
-_BYTES_PER_ENTRY = 320  # peak of a whole-row round, per entry (measured: 266 for dual 3/2, k* = V)
+#: Peak bytes of a whole-row round per entry (measured, output included: 357 for dual alpha 20
+#: on peaked rows, 320 for dual alpha 2.5 and 304 for primal alpha 3 on flat rows, k* ~ 0.7-0.9 V:
+#: the multiplier search's maps at the bracket's ends, warm starts and predictions).
+_BYTES_PER_ENTRY = 400
 
 
 class ExactPlan(NamedTuple):
@@ -105,7 +124,7 @@ def _general(mode: str):
     finding (Algorithm 1, eq. (5))."""
     if mode == "primal":
         return lambda lp, mk, a, ld, kk: newton_log_renorm(lp, mk, a, ld, kk)
-    return lambda lp, mk, a, ld, kk: nested_log_renorm(lp, mk, a, ld, kk)
+    return lambda lp, mk, a, ld, kk: dual_log_renorm(lp, mk, a, ld, kk)
 
 
 #: The map of each family on a fixed support (arguments: log p, support mask, alpha, log R, k).
@@ -113,9 +132,9 @@ _MAPS = {
     **{family: (lambda lp, mk, a, ld, kk, family=family:
                 closed_log_renorm(family, lp, mk, ld, kk)) for family in CLOSED_FORM_FAMILIES},
     Family.POWER: lambda lp, mk, a, ld, kk: newton_log_renorm(lp, mk, a, ld, kk),
-    Family.DUAL_THREE_HALVES: lambda lp, mk, a, ld, kk: nested_log_renorm(
+    Family.DUAL_THREE_HALVES: lambda lp, mk, a, ld, kk: dual_log_renorm(
         lp, mk, a, ld, kk, closed=Family.DUAL_THREE_HALVES),
-    Family.DUAL_THREE: lambda lp, mk, a, ld, kk: nested_log_renorm(
+    Family.DUAL_THREE: lambda lp, mk, a, ld, kk: dual_log_renorm(
         lp, mk, a, ld, kk, closed=Family.DUAL_THREE),
 }
 
@@ -191,186 +210,98 @@ def _window_exceeds(family: Family | None, mode: str, cand: Candidates, start: T
     """G(m) > lambda for m = start .. start + count - 1 per row ([n, count]), from the exact maps
     on the count + 1 consecutive supports (1 <= start, start + count <= candidates); also returns
     those maps (log T_m for m = start .. start + count, [n, count + 1, W]) and log G(m)
-    ([n, count])."""
+    ([n, count]). The maps are solved by their multipliers (`_solved`), whose log(q / p) give
+    the gaps' ratios exactly (`gaps._log_ratios`); a user generator's by its generic maps."""
     sizes = start.unsqueeze(-1) + torch.arange(count + 1, device=start.device)  # [n, count + 1]
     width = int(sizes.max())
     log_p = cand.log_x[:, :width]
-    maps = log_renorm(family, mode, log_p.unsqueeze(1).expand(-1, count + 1, -1), sizes,
-                      alpha.unsqueeze(-1).expand(-1, count + 1), _log_deficit(cand, sizes),
-                      generator)
-    log_q, log_q_next = maps[:, :-1], maps[:, 1:]
-    m = sizes[:, :-1]
-    a = alpha.unsqueeze(-1).expand(-1, count)
+    n = log_p.shape[0]
+    stacked = log_p.unsqueeze(1).expand(-1, count + 1, -1)
     rows = log_p.unsqueeze(1).expand(-1, count, -1)
+    m = sizes[:, :-1]
     if generator is not None:
-        gap = generic_gap(mode, generator, torch.exp(rows), torch.exp(log_q),
-                          torch.exp(log_q_next), m)
+        maps = log_renorm(family, mode, stacked, sizes, alpha.unsqueeze(-1).expand(-1, count + 1),
+                          _log_deficit(cand, sizes), generator)
+        gap = generic_gap(mode, generator, torch.exp(rows), torch.exp(maps[:, :-1]),
+                          torch.exp(maps[:, 1:]), m)
         return gap > lam.unsqueeze(-1), maps, torch.log(gap)
+    solved = _solved(family, mode, stacked.reshape(n * (count + 1), width), sizes.reshape(-1),
+                     alpha.repeat_interleave(count + 1, output_size=n * (count + 1)),
+                     _log_deficit(cand, sizes).reshape(-1))
+    shape = (n, count + 1, width)
+    maps = _normalized(solved.log_q, support_mask(sizes.reshape(-1), width)).reshape(shape)
+    lift = solved.lift.reshape(shape)
+    log_q, log_q_next = maps[:, :-1], maps[:, 1:]
+    rho = lift[:, :-1] - lift[:, 1:]
+    a = alpha.unsqueeze(-1).expand(-1, count)
     if mode == "primal":
-        log_gap = primal_log_gap(log_q, log_q_next, m, a)
+        log_gap = primal_log_gap(log_q, log_q_next, m, a, rho)
     else:
-        log_gap = dual_log_gap(rows, log_q, log_q_next, m, a)
+        log_gap = dual_log_gap(rows, log_q, log_q_next, m, a, rho)
     return log_gap > torch.log(lam).unsqueeze(-1), maps, log_gap
 
 
-#: Probes per row guided by the gap floor (`_floor_sizes`) before the search only bisects.
-MODEL_PROBES = 10
-#: A bracket this narrow is decided by one probe of all its sizes.
+#: Probes guided by the multipliers (`_probe`) before the search only bisects.
+GUIDED_PROBES = 8
+_SPARE_COLUMNS = 64
+#: A bracket this narrow is decided by one probe of all its sizes (user generators).
 FINAL_WINDOW = 8
 
 
-class _Probed(NamedTuple):
-    """Per row, log G and log floor at the sizes of its last two probes (``last``, ``before``;
-    size 0 where there was none)."""
-
-    k_last: Tensor
-    gap_last: Tensor
-    floor_last: Tensor
-    k_before: Tensor
-    gap_before: Tensor
-    floor_before: Tensor
-
-
-def _model_guess(log_floor: Tensor, probed: _Probed, log_lam: Tensor, lo: Tensor) -> Tensor:
-    """The floor's guess of k*: log G(k) taken as an affine function of log floor(k) through
-    the row's last two probes (a secant step in the floor's coordinate; after one probe,
-    log G - log floor is taken as constant; before any, G as the floor itself), and the
-    smallest size k >= lo where that is at most lambda (the width of the candidates when none
-    is). The floor is led by p_(k+1)^alpha like G (`_floor_sizes`), so log G is close to affine
-    in it and the guess lands next to k*. ``log_floor``: [n, W - 1], column j the floor of
-    size j + 1."""
-    last, before = probed.k_last > 0, probed.k_before > 0
-    span = probed.floor_last - probed.floor_before
-    slope = (probed.gap_last - probed.gap_before) / torch.where(span != 0, span, 1.0)
-    secant = probed.floor_last + (log_lam - probed.gap_last) / torch.where(
-        slope > 0, slope, 1.0)
-    # (a slope far from 1 is the noise of two close probes: the constant ratio instead)
-    usable = before & (span != 0) & (slope > 0.25) & (slope < 4.0) & torch.isfinite(secant)
-    shifted = log_lam - (probed.gap_last - probed.floor_last)
-    target = torch.where(usable, secant, torch.where(last, shifted, log_lam))
-    sizes = torch.arange(1, log_floor.shape[-1] + 1, device=log_floor.device)
-    fits = (log_floor <= target.unsqueeze(-1)) & (sizes >= lo.unsqueeze(-1))
-    return torch.where(fits, sizes, log_floor.shape[-1] + 1).amin(-1)
+def _first_window(family: Family | None, mode: str, cand: Candidates, alpha: Tensor,
+                  lam: Tensor, low: Tensor, high: Tensor, cache: Tensor, cached: Tensor,
+                  rows: Tensor, generator: BregmanGenerator | None) -> None:
+    """The ``rows`` at low = 1 (the first round, not raised by the floor): one window probe
+    decides G(1 .. PROBE_WINDOW) at once from the exact maps (k* is usually small); updates
+    ``low`` / ``high`` and keeps T_k* for the rows it resolved in ``cache`` (in place)."""
+    active = (rows & (low < high)).nonzero().squeeze(-1)
+    if active.numel() == 0:
+        return
+    lo, hi = low[active], high[active]
+    count = int(min(PROBE_WINDOW, int((hi - lo).max())))
+    sub = take(cand, active)
+    start = torch.minimum(lo, hi - count).clamp_min(1)  # keep the window inside [1, hi]
+    exceeds, maps, _ = _window_exceeds(family, mode, sub, start, count, alpha[active],
+                                       lam[active], generator)
+    m = start.unsqueeze(-1) + torch.arange(count, device=lo.device)
+    # Sizes below low are known to exceed; at or beyond high the search stops by definition.
+    stop = (~exceeds | (m >= hi.unsqueeze(-1))) & (m >= lo.unsqueeze(-1))
+    first = torch.where(stop, m, hi.unsqueeze(-1)).amin(-1)
+    covered = start + count  # every size below this was decided
+    resolved = first < covered
+    high[active] = torch.where(resolved, first, hi)
+    low[active] = torch.where(resolved, first, torch.maximum(lo, covered))
+    pick = (first - start).clamp(0, count).view(-1, 1, 1).expand(-1, 1, maps.shape[-1])
+    chosen = torch.gather(maps, 1, pick).squeeze(1)
+    cache[active, : chosen.shape[-1]] = torch.where(resolved.unsqueeze(-1), chosen,
+                                                    cache[active, : chosen.shape[-1]])
+    cached[active] = resolved
 
 
-def _measured(probed: _Probed, rows: Tensor, sizes: Tensor, exceeds: Tensor, log_gap: Tensor,
-              log_floor: Tensor) -> None:
-    """Record, for the rows ``rows``, one size of their probe of ``sizes`` ([r, c],
-    consecutive, in 1 .. W - 1): the largest that exceeds lambda, else the smallest."""
-    floor = torch.gather(log_floor[rows], 1, (sizes - 1).clamp(0, log_floor.shape[-1] - 1))
-    good = torch.isfinite(log_gap) & torch.isfinite(floor)
-    over = torch.where(exceeds & good, sizes, 0).amax(-1)
-    under = torch.where(~exceeds & good, sizes, 2**62).amin(-1)
-    size = torch.where(over > 0, over, under)
-    new = (size > 0) & (size < 2**62)
-    col = (size - sizes[:, 0]).clamp(0, sizes.shape[1] - 1).unsqueeze(-1)
-    values = (size, torch.gather(log_gap, 1, col)[:, 0], torch.gather(floor, 1, col)[:, 0])
-    for now, old, value in zip(probed[:3], probed[3:], values, strict=True):
-        old[rows] = torch.where(new, now[rows], old[rows])
-        now[rows] = torch.where(new, value.to(now.dtype), now[rows])
-
-
-def _search(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, lam: Tensor,
-            low: Tensor, high: Tensor, generator: BregmanGenerator | None = None,
-            raised: Tensor | None = None, log_floor: Tensor | None = None,
-            open_end: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Smallest k in [low, high] with G(k) <= lambda, where G(high) <= lambda is taken as given.
-
-    Rows starting at low = 1: one window probe decides G(1 .. WINDOW) at once (k* is usually
-    small). Then, with the floor of every gap (``log_floor``, `_floor_sizes`): up to
-    `MODEL_PROBES` probes of the two sizes around the floor's guess of k* (`_model_guess`,
-    the floor scaled by the ratio G / floor the row's probes measured; rows whose low comes
-    from the floor (``raised``) start with ratio 1: a probe at low itself), then bisection: at
-    most MODEL_PROBES + 2 log2(high - low) + 1 probes, a few where the floor tracks G (it
-    does on every row measured). Without a floor (a user generator): galloping (m = low,
-    low + 1, low + 3, ...) and bisection, O(log k*) probes. All rows advance together; each
-    probe runs only on the rows still searching.
-
-    ``open_end``: rows whose high is the end of the candidates, not a real boundary (k* may
-    lie past it): once their probes put the floor's guess past the candidates, they stop with
-    the lower bound their probes certified (``left``), for a wider round to go on from.
-
-    Returns (k*, or for the rows that stopped (``left``) the certified lower bound, log T_k*
-    for the rows the window resolved ([n, W]), which rows those are, ``left``).
-    """
-    low, high = low.clone(), high.clone()
-    raised = torch.zeros_like(low, dtype=torch.bool) if raised is None else raised
-    left = torch.zeros_like(low, dtype=torch.bool)
-    certified = torch.zeros_like(low)
-    open_end = left if open_end is None else open_end
-    cache = torch.empty(low.shape[0], 0, dtype=cand.log_x.dtype, device=low.device)
-    cached = torch.zeros_like(low, dtype=torch.bool)
-    guided = raised.clone() if log_floor is not None else torch.zeros_like(raised)
-    zero, nothing = torch.zeros_like(low), torch.zeros_like(lam)
-    probed = _Probed(zero, nothing, nothing.clone(), zero.clone(), nothing.clone(),
-                     nothing.clone())
-    log_lam = torch.log(lam)
-    first_round = (low == 1) & ~raised  # later rounds know k* >= low: no window probe
-    active = ((low < high) & first_round).nonzero().squeeze(-1)
-    if active.numel():
-        lo, hi = low[active], high[active]
-        count = int(min(PROBE_WINDOW, int((hi - lo).max())))
-        sub = take(cand, active)
-        start = torch.minimum(lo, hi - count).clamp_min(1)  # keep the window inside [1, hi]
-        exceeds, maps, log_gap = _window_exceeds(family, mode, sub, start, count, alpha[active],
-                                                 lam[active], generator)
-        m = start.unsqueeze(-1) + torch.arange(count, device=lo.device)
-        # Sizes below low are known to exceed; at or beyond high the search stops by definition.
-        stop = (~exceeds | (m >= hi.unsqueeze(-1))) & (m >= lo.unsqueeze(-1))
-        first = torch.where(stop, m, hi.unsqueeze(-1)).amin(-1)
-        covered = start + count  # every size below this was decided
-        resolved = first < covered
-        high[active] = torch.where(resolved, first, hi)
-        low[active] = torch.where(resolved, first, torch.maximum(lo, covered))
-        # The window already holds T_k* for the rows it resolved: keep it for the output.
-        pick = (first - start).clamp(0, count).view(-1, 1, 1).expand(-1, 1, maps.shape[-1])
-        cache = torch.full((low.shape[0], maps.shape[-1]), -math.inf, dtype=maps.dtype,
-                           device=maps.device)
-        cache[active] = torch.gather(maps, 1, pick).squeeze(1)
-        cached[active] = resolved
-        if log_floor is not None:
-            _measured(probed, active, m, exceeds, log_gap, log_floor)
-            guided[active] = True
+def _bisect(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, lam: Tensor,
+            low: Tensor, high: Tensor, cache: Tensor, cached: Tensor, galloping: Tensor,
+            generator: BregmanGenerator | None) -> None:
+    """Smallest k in [low, high] with G(k) <= lambda from exact gaps (two maps per probe): for
+    user generators, whose maps have no multiplier to probe with. Galloping from low (m = low,
+    low + 1, low + 3, ...) for ``galloping`` rows, bisection, and one probe of every size once
+    the bracket is `FINAL_WINDOW` wide: O(log k*) probes. Updates the arguments in place."""
     step = torch.ones_like(low)
-    galloping = first_round & ~guided
-    tries = torch.zeros_like(low)
     width = cand.log_x.shape[-1]
     while True:
         active = (low < high).nonzero().squeeze(-1)
         if active.numel() == 0:
-            return torch.where(left, certified, low), cache, cached, left
+            return
         lo, hi = low[active], high[active]
         gal = galloping[active]
-        model = guided[active] & (tries[active] < MODEL_PROBES)
         m = torch.where(gal, torch.minimum(lo + step[active] - 1, hi - 1), (lo + hi) // 2)
         count = 1
-        if bool(model.any()):
-            guess = _model_guess(log_floor[active], _Probed(*(t[active] for t in probed)),
-                                 log_lam[active], lo)
-            # Past the candidates, after a probe measured the ratio: a wider round's (exact:
-            # it starts at the low certified here).
-            leave = model & (guess >= width) & open_end[active] & (probed.k_last[active] > 0)
-            if bool(leave.any()):
-                rows = active[leave]
-                left[rows], certified[rows] = True, lo[leave]
-                low[rows] = high[rows]
-                keep = (~leave).nonzero().squeeze(-1)
-                if keep.numel() == 0:
-                    continue
-                active, lo, hi, gal, model, guess, m = (
-                    t[keep] for t in (active, lo, hi, gal, model, guess, m))
-            # The two sizes around the guess (k* = guess when G(guess - 1) > lambda >= G(guess));
-            # the first probe of rows raised by the floor: the floor's size alone (often k*).
-            count = 2 if bool((model & (probed.k_last[active] > 0)).any()) else 1
-            m = torch.where(model, (guess - count + 1).clamp(lo, hi - 1), m)
         span = int((hi - lo).max())
         if span <= FINAL_WINDOW:  # every size left, at once
             m, count = lo, span
         count = min(count, width - 1)
         m = torch.minimum(m, torch.full_like(m, width - count))  # T_(m + count) exists
-        sub = take(cand, active)
-        exceeds, maps, log_gap = _window_exceeds(family, mode, sub, m, count, alpha[active],
-                                                 lam[active], generator)
+        exceeds, maps, _ = _window_exceeds(family, mode, take(cand, active), m, count,
+                                           alpha[active], lam[active], generator)
         sizes = m.unsqueeze(-1) + torch.arange(count, device=m.device)
         inside = (sizes >= lo.unsqueeze(-1)) & (sizes < hi.unsqueeze(-1))
         # G is nonincreasing: the sizes that exceed raise low, the first that stops lowers high.
@@ -378,40 +309,334 @@ def _search(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
         low[active] = found
         high[active] = torch.minimum(hi, torch.where(~exceeds & inside, sizes,
                                                      hi.unsqueeze(-1)).amin(-1))
-        # A probe that decided k* holds T_k* among its maps (T_m .. T_(m + count)): keep it
-        # for the output instead of solving it again.
+        # A probe that decided k* holds T_k* among its maps (T_m .. T_(m + count)).
         offset = found - m
         hit = (high[active] == found) & (offset >= 0) & (offset <= count)
         if bool(hit.any()):
-            if cache.shape[-1] < maps.shape[-1]:
-                cache = torch.nn.functional.pad(cache, (0, maps.shape[-1] - cache.shape[-1]),
-                                                value=-math.inf)
             rows = active[hit]
             pick = offset[hit].view(-1, 1, 1).expand(-1, 1, maps.shape[-1])
             cache[rows] = -math.inf
             cache[rows, : maps.shape[-1]] = torch.gather(maps[hit], 1, pick).squeeze(1)
             cached[rows] = True
-        if log_floor is not None:
-            _measured(probed, active, sizes, exceeds, log_gap, log_floor)
-        tries[active] += 1
         first = exceeds[:, 0]
         step[active] = torch.where(first & gal, step[active] * 2, step[active])
         galloping[active] = gal & first
-        # Past the guided probes: gallop up from low while no size has stopped, else bisect.
-        galloping[active] |= guided[active] & (tries[active] == MODEL_PROBES) \
-            & (high[active] == hi)
 
 
-def _floor_sizes(mode: str, cand: Candidates, alpha: Tensor, lam: Tensor
-                 ) -> tuple[Tensor, Tensor | None]:
+class _Probe(NamedTuple):
+    """A probe of support size m per row (`_probe`): log T_m ([r, C], normalized, -inf off the
+    support) and its log(q / p) (``lift``, for exact gaps), what its multiplier certifies
+    (``below``: G(m - 1) > lambda, so k* >= m; ``at``: G(m) <= lambda, so k* <= m), and, with a
+    prediction, the next size to probe (``guess``) and what warm-starts a probe of any size j:
+    the multiplier s_m, the predicted s_j - s_m in column j - 1 (``shift``, NaN without a
+    prediction), and for the dual the inner unknowns and their rates d log q / ds."""
+
+    log_q: Tensor
+    lift: Tensor
+    below: Tensor
+    at: Tensor
+    guess: Tensor
+    s: Tensor
+    shift: Tensor
+    state: Tensor | None
+    rate: Tensor
+
+
+def _solved(family: Family | None, mode: str, log_p: Tensor, k: Tensor, alpha: Tensor,
+            log_deficit: Tensor, start: Tensor | None = None, state: Tensor | None = None
+            ) -> Multiplier:
+    """The map of support size k by its multiplier (`roots.Multiplier`), every column valued;
+    rows with no mass outside the support (log R = -inf) are the identity, q = p (with s =
+    -inf and no derivatives)."""
+    mask = support_mask(k, log_p.shape[-1])
+    identity = torch.isneginf(log_deficit)
+    log_deficit = torch.where(identity, 0.0, log_deficit)  # (solved, then replaced)
+    a = alpha.to(log_p.dtype)
+    if mode == "primal":
+        solved = primal_multiplier(log_p, mask, a, log_deficit, k, start)
+    else:
+        closed = family if family in (Family.DUAL_THREE_HALVES, Family.DUAL_THREE) else None
+        solved = dual_multiplier(log_p, mask, a, log_deficit, k, closed, start, state)
+    if not bool(identity.any()):
+        return solved
+    same = identity.unsqueeze(-1)
+    return solved._replace(
+        s=torch.where(identity, -math.inf, solved.s),
+        log_q=torch.where(same, log_p, solved.log_q),
+        rate=solved.rate.masked_fill(same, 0.0),
+        curvature=solved.curvature.masked_fill(same, 0.0),
+        lift=torch.where(same, torch.where(torch.isfinite(log_p), 0.0, -math.inf),
+                         solved.lift))
+
+
+def _probe(family: Family | None, mode: str, cand: Candidates, m: Tensor, alpha: Tensor,
+           lam: Tensor, start: Tensor, state: Tensor | None, low: Tensor,
+           predict: bool = True) -> _Probe:
+    """One map per row, T_m, by its multiplier nu_m, and what that multiplier decides.
+
+    By weak duality (`gaps.log_entry_term`), w(p_(k+1), nu_(k+1)) <= G(k) <= w(p_(k+1), nu_k),
+    with w increasing in p and in nu and nu_k decreasing in k, so the one multiplier nu_m gives
+
+    * G(m - 1) >= w(p_m, nu_m): if that is > lambda, k* >= m (``below``);
+    * G(m) <= w(p_(m+1), nu_m) <= w(p_m, nu_m): if either is <= lambda, k* <= m (``at``);
+
+    at least one of the two holds. With k_B the last size whose ``below`` holds, k* is k_B or
+    k_B + 1, and ``at`` holds at k_B + 1 (w(p_(k+1), nu_(k+1)) <= lambda there); a probe at
+    k_B whose ``at`` fails leaves G(k_B) to the exact gap of T_(k_B) and T_(k_B + 1).
+
+    With ``predict``, the next size: k_B as predicted from nu_m. For support size j (column
+    j - 1), the mass the map adds to the first j entries, A_j(s) = sum_(i<=j) (q_i - p_i),
+    must reach R_j: Halley's step on log A_j(s) - log R_j from s_m (its first two derivatives
+    from those of every log q_i; with log A_j linear in s, exact for alpha = 2 where A_j = j nu,
+    the Newton step), then log w_j at that s_j to second order. The columns are the
+    candidates' first C (C >= m + 1 where the candidates have it); ``start`` / ``state``: warm
+    starts for the solve (NaN: none); ``low``: known lower bounds on k* (no size below them is
+    predicted).
+    """
+    width = cand.log_x.shape[-1]
+    log_p = cand.log_x
+    acol = alpha.to(log_p.dtype).unsqueeze(-1)
+    warm = None if bool(torch.isnan(start).all()) else start
+    solved = _solved(family, mode, log_p, m, alpha, _log_deficit(cand, m), warm, state)
+    log_q = solved.log_q
+    log_lam = torch.log(lam)
+    pair = torch.stack([m - 1, m.clamp_max(width - 1)], -1)
+    w_at, w_next = log_entry_term(mode, torch.gather(log_p, 1, pair), torch.gather(log_q, 1, pair),
+                                  acol).unbind(-1)
+    w_next = torch.where(m < width, w_next, math.inf)
+    below = w_at > log_lam
+    at = torch.minimum(w_at, w_next) <= log_lam
+    normalized = _normalized(log_q, support_mask(m, width))
+    if not predict:
+        return _Probe(normalized, solved.lift, below, at, m, solved.s,
+                      torch.full_like(log_q, math.nan), solved.state, solved.rate)
+    # Sizes below the known lower bound need no prediction: the sums over their columns
+    # are carried in one piece, the rest column by column.
+    skip = max(0, min(int(low.min()) - 1, width - 1))
+    q = torch.exp(log_q)
+    positive = torch.isfinite(log_p)
+    added = torch.where(positive, torch.exp(torch.where(positive, log_p, 0.0))
+                        * torch.expm1(solved.lift), q)
+    terms = torch.stack([added, q * solved.rate, q * (solved.rate ** 2 + solved.curvature)])
+    terms = torch.where(torch.isfinite(terms), terms, 0.0)  # (none may spoil the sums)
+    carried = terms[..., :skip].sum(-1, keepdim=True)
+    total, first, second = (torch.cumsum(terms[..., skip:], -1) + carried).unbind(0)
+    first = first / total  # (log A)'
+    second = second / total - first ** 2
+    newton = (torch.log(cand.deficit[:, skip:width]) - torch.log(total)) / first
+    shift = newton / (1.0 + 0.5 * newton * second / first).clamp(0.5, 2.0)
+    ahead = log_q[:, skip:]
+    log_w = log_entry_term(mode, log_p[:, skip:], ahead, acol)
+    # d log w_j / ds: alpha rate_j (primal); dual, with dw / dnu = q: g = nu q_j / w_j and
+    # d^2 log w / ds^2 = g (1 + rate_j) - g^2.
+    rate = solved.rate[:, skip:]
+    if mode == "primal":
+        gain, bend = acol * rate, acol * solved.curvature[:, skip:]
+    else:
+        gain = torch.exp(solved.s.unsqueeze(-1) + ahead - log_w)
+        bend = gain * (1.0 + rate) - gain ** 2
+    predicted = log_w + shift * (gain + 0.5 * bend * shift)
+    column = torch.arange(skip, width, device=m.device)
+    # (no added mass yet, in the first columns: no prediction there, and k* >= m anyway)
+    keeps = (predicted > log_lam.unsqueeze(-1)) | (torch.isnan(predicted)
+                                                   & (column < m.unsqueeze(-1)))
+    stops = torch.where(~keeps, column, width).amin(-1)  # first column predicted to stop
+    guess = torch.where(torch.isneginf(solved.s), m, stops.clamp_min(1))  # its size - 1
+    shift = torch.nn.functional.pad(shift, (skip, 0), value=math.nan)
+    return _Probe(normalized, solved.lift, below, at, guess, solved.s, shift, solved.state,
+                  solved.rate)
+
+
+def _warm_start(size: Tensor, s: Tensor, shift: Tensor, state: Tensor | None, rate: Tensor
+                ) -> tuple[Tensor, Tensor | None]:
+    """The start of a probe of support size ``size`` from an earlier probe's multiplier ``s``
+    and predictions (`_Probe`): s + shift at that size (s where it predicted nothing), and for
+    the dual each inner unknown moved to first order (du/ds = rate); NaN where there was no
+    earlier probe."""
+    moved = torch.gather(shift, 1, (size - 1).clamp(0, shift.shape[-1] - 1).unsqueeze(-1))
+    moved = torch.where(torch.isnan(moved), 0.0, moved)  # (no prediction: s itself)
+    start = s + moved.squeeze(-1)
+    start = torch.where(torch.isfinite(start), start, math.nan)
+    if state is None:
+        return start, None
+    u = torch.exp(state)
+    ahead = u + rate * moved
+    return start, torch.where(ahead > 0.5 * u, torch.log(ahead), state)
+
+
+def _exact_gap_at(mode: str, cand: Candidates, m: Tensor, alpha: Tensor, log_q: Tensor,
+                  lift: Tensor, log_q_next: Tensor, lift_next: Tensor) -> Tensor:
+    """log G(m) from T_m and T_(m+1) (``[r, W]``, with their log(q / p)), the exact gap
+    formulas of `gaps` with exact ratios."""
+    width = int(m.max()) + 1
+    log_q, log_q_next = log_q[:, :width], log_q_next[:, :width]
+    rho = lift[:, :width] - lift_next[:, :width]
+    a = alpha.to(log_q.dtype)
+    if mode == "primal":
+        return primal_log_gap(log_q, log_q_next, m, a, rho)
+    return dual_log_gap(cand.log_x[:, :width], log_q, log_q_next, m, a, rho)
+
+
+def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, lam: Tensor,
+            low: Tensor, high: Tensor, cache: Tensor, cached: Tensor, open_end: Tensor) -> Tensor:
+    """Smallest k in [low, high] with G(k) <= lambda, by multiplier probes (`_probe`): one map
+    per probe, at the size its predecessor predicted (bisection after `GUIDED_PROBES`), the
+    bracket narrowed by what each multiplier certifies; a bracket of two adjacent sizes whose
+    maps the probes hold is decided by their exact gap. Each probe narrows the bracket or
+    holds a map at one of its ends, so the search ends; the predictions, Halley steps of the
+    maps' equations, land next to k* in a few probes.
+
+    ``open_end`` rows (high is the end of the candidates, k* may lie past it) stop once a
+    probe predicts k* past the candidates, with the lower bound certified so far, for a wider
+    round. Updates low, high, cache and cached in place; returns which rows stopped so
+    (``left``; their low is the certified bound)."""
+    n, width = cand.log_x.shape
+    dtype = cand.log_x.dtype
+    ends = torch.full((4, n, width), -math.inf, dtype=dtype, device=low.device)
+    low_map, low_lift, high_map, high_lift = ends.unbind(0)
+    has_low = torch.zeros_like(low, dtype=torch.bool)
+    has_high = torch.zeros_like(has_low)
+    left = torch.zeros_like(has_low)
+    guess = low.clone()
+    # The last probe of each row: its multiplier, predicted shifts, (dual) inner unknowns and
+    # their rates: the next probe's warm start (`_warm_start`).
+    last_s = torch.full((n,), math.nan, dtype=dtype, device=low.device)
+    last_shift = torch.full_like(low_map, math.nan)
+    last_rate = torch.zeros_like(low_map)
+    last_state = None if mode == "primal" else torch.full_like(low_map, math.nan)
+    tries = torch.zeros_like(low)
+    while True:
+        active = (low < high).nonzero().squeeze(-1)
+        if active.numel() == 0:
+            return left
+        lo, hi = low[active], high[active]
+        pair = (hi == lo + 1) & has_low[active] & has_high[active]
+        if bool(pair.any()):  # the exact gap of the two maps held
+            rows = active[pair]
+            m = low[rows]
+            log_gap = _exact_gap_at(mode, take(cand, rows), m, alpha[rows], low_map[rows],
+                                    low_lift[rows], high_map[rows], high_lift[rows])
+            stop = ~(log_gap > torch.log(lam[rows]))
+            cache[rows] = torch.where(stop.unsqueeze(-1), low_map[rows], high_map[rows])
+            cached[rows] = True
+            found = torch.where(stop, m, m + 1)
+            low[rows], high[rows] = found, found
+            continue
+        m = torch.where(tries[active] < GUIDED_PROBES, guess[active].clamp(lo, hi),
+                        (lo + hi) // 2)
+        m = torch.where((m == lo) & has_low[active], lo + 1, m)
+        m = torch.where((m == hi) & has_high[active], hi - 1, m)
+        # Rows of sizes far apart probe apart: a probe's columns follow its largest size.
+        for part in _similar_sizes(m):
+            rows, size = active[part], m[part]
+            lo, hi = low[rows], high[rows]
+            # The columns a probe values: its support, the next column, and as many again for
+            # the prediction (a probe predicts at most twice its size: O(log k*) probes in any
+            # case); only the first two where every bracket is down to two sizes (maps for an
+            # exact gap).
+            ending = bool((hi - lo <= 1).all())
+            columns = min(width, int(hi.max()) + 1, 2 * int(size.max()) + _SPARE_COLUMNS)
+            columns = min(width, int(size.max()) + 1) if ending else columns
+            sub = take(cand, rows)
+            sub = sub._replace(log_x=sub.log_x[:, :columns])
+            start, state = _warm_start(size, last_s[rows], last_shift[rows, :columns],
+                                       None if last_state is None
+                                       else last_state[rows, :columns],
+                                       last_rate[rows, :columns])
+            probe = _probe(family, mode, sub, size, alpha[rows], lam[rows], start, state, lo,
+                           not ending)
+            log_q, lift = (torch.nn.functional.pad(t, (0, width - columns), value=-math.inf)
+                           for t in (probe.log_q, probe.lift))
+            both = probe.below & probe.at
+            cache[rows[both]], cached[rows[both]] = log_q[both], True
+            low[rows[both]], high[rows[both]] = size[both], size[both]
+            only = probe.below & ~probe.at
+            at = rows[only]
+            low[at], low_map[at], low_lift[at], has_low[at] = size[only], log_q[only], \
+                lift[only], True
+            only = probe.at & ~probe.below
+            at = rows[only]
+            high[at], high_map[at], high_lift[at], has_high[at] = size[only], log_q[only], \
+                lift[only], True
+            guess[rows], last_s[rows] = probe.guess, probe.s
+            last_shift[rows, :columns], last_rate[rows, :columns] = probe.shift, probe.rate
+            if last_state is not None and probe.state is not None:
+                last_state[rows, :columns] = probe.state
+            tries[rows] += 1
+            # Past the candidates (predicted), no boundary there: a wider round goes on from
+            # low.
+            leave = open_end[rows] & (probe.guess >= width) & (high[rows] >= width) \
+                & (low[rows] < high[rows])
+            if bool(leave.any()):
+                at = rows[leave]
+                left[at], high[at] = True, low[at]
+
+
+#: Rows probe in two groups when that saves this share of the columns (`_similar_sizes`) and
+#: the largest size is above `_SPLIT_FROM` (below it, a probe's launches cost more than its
+#: columns).
+_SPLIT_SAVING = 0.15
+_SPLIT_FROM = 8192
+
+
+def _similar_sizes(sizes: Tensor) -> list[Tensor]:
+    """Positions of ``sizes`` (sorted) in one group, or in two (smaller sizes, larger sizes)
+    where that saves `_SPLIT_SAVING` of the columns probed: a probe's work follows its largest
+    size."""
+    every = [torch.arange(sizes.numel(), device=sizes.device)]
+    if int(sizes.max()) <= _SPLIT_FROM or sizes.numel() < 2:
+        return every
+    order = torch.argsort(sizes)
+    values = sizes[order].tolist()
+    count, largest = len(values), values[-1]
+    cost, cut = min((i * values[i - 1] + (count - i) * largest, i) for i in range(1, count))
+    if cost > (1.0 - _SPLIT_SAVING) * count * largest:
+        return every
+    # (`take` wants sorted positions)
+    return [torch.sort(order[:cut]).values, torch.sort(order[cut:]).values]
+
+
+def _search(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, lam: Tensor,
+            low: Tensor, high: Tensor, generator: BregmanGenerator | None = None,
+            raised: Tensor | None = None, open_end: Tensor | None = None
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Smallest k in [low, high] with G(k) <= lambda, where G(high) <= lambda is taken as given.
+
+    Rows starting at low = 1 (and not ``raised`` by the floor): one window probe decides
+    G(1 .. PROBE_WINDOW) at once (`_first_window`). Then multiplier probes (`_guided`: one map
+    per probe, a few probes), or for user generators galloping and bisection on exact gaps
+    (`_bisect`). ``open_end``: rows whose high is the end of the candidates, not a real
+    boundary (k* may lie past it).
+
+    Returns (k*, or for the rows that stopped (``left``) the certified lower bound, log T_k*
+    for the rows the search resolved ([n, W]), which rows those are, ``left``).
+    """
+    low, high = low.clone(), high.clone()
+    n, width = cand.log_x.shape
+    raised = torch.zeros_like(low, dtype=torch.bool) if raised is None else raised
+    open_end = torch.zeros_like(raised) if open_end is None else open_end
+    cache = torch.full((n, width), -math.inf, dtype=cand.log_x.dtype, device=low.device)
+    cached = torch.zeros_like(raised)
+    first_round = (low == 1) & ~raised  # later rounds know k* >= low: no window probe
+    _first_window(family, mode, cand, alpha, lam, low, high, cache, cached, first_round,
+                  generator)
+    if generator is not None:
+        _bisect(family, mode, cand, alpha, lam, low, high, cache, cached, first_round.clone(),
+                generator)
+        return low, cache, cached, torch.zeros_like(raised)
+    left = _guided(family, mode, cand, alpha, lam, low, high, cache, cached, open_end)
+    return low, cache, cached, left
+
+
+def _floor_sizes(mode: str, cand: Candidates, alpha: Tensor, lam: Tensor) -> Tensor:
     """A lower bound on k* per row, from a floor of every cost gap: G(k) > lambda, hence
     k* > k, until the floor reaches lambda. Returns the first k in 1 .. W - 1 whose floor is at
-    most lambda, else W (k* >= W: the row needs a wider round, and no probe of this one), and
-    the log of the floor of every size 1 .. W - 1 ([n, W - 1]; None for W = 1).
+    most lambda, else W (k* >= W: the row needs a wider round, and no probe of this one).
     Exact, not a heuristic: where k* is large (tiny lambda, primal alpha near 0, dual alpha
     near 1) it starts the search next to k* and skips the probes of the rounds below it.
 
-    The floor is the last term of G(k) (`gaps`; the others are >= 0) at a lower bound q_lo of
+    The floor is the last term of G(k) (`gaps.log_entry_term`; the others are >= 0) at a lower
+    bound q_lo of
     q' = T_(k+1)(p)_(k+1), with p = p_(k+1), R = R_(k+1), m = k + 1:
 
     * primal, d(0, q') = q'^alpha / alpha; q' >= p (T adds mass, eq. (4)), and for alpha > 1
@@ -423,7 +648,7 @@ def _floor_sizes(mode: str, cand: Candidates, alpha: Tensor, lam: Tensor
     """
     width = cand.log_x.shape[-1]
     if width == 1:
-        return torch.ones(alpha.shape[0], dtype=torch.long, device=alpha.device), None
+        return torch.ones(alpha.shape[0], dtype=torch.long, device=alpha.device)
     a = alpha.unsqueeze(-1)
     b = a - 1.0
     log_p = cand.log_x[:, 1:]  # p_(k+1), k = 1 .. W-1
@@ -433,15 +658,12 @@ def _floor_sizes(mode: str, cand: Candidates, alpha: Tensor, lam: Tensor
         level = torch.where(b >= 1.0, log_share, (torch.log(b.clamp_min(1e-300)) + log_share)
                             / b.clamp_min(1e-300))
         log_q = torch.where(b > 0, torch.maximum(log_p, level), log_p)
-        log_floor = a * log_q - torch.log(a)
     else:
         log_q = torch.where(a >= 2.0, torch.maximum(log_p, log_share),
                             torch.logaddexp(log_p, log_share + (1.0 - b) * log_p))
-        moved = log_p + torch.log(torch.expm1((log_q - log_p).clamp_min(0.0)))  # q' - p
-        inner = torch.logaddexp(2.0 * torch.log(b) + moved, log_p)
-        log_floor = b * log_q + inner - torch.log(a * b)
+    log_floor = log_entry_term(mode, log_p, log_q, a)
     below = ~(log_floor > torch.log(lam).unsqueeze(-1))  # (zero entries: NaN or -inf)
-    return torch.where(below, sizes, width).amin(-1), log_floor
+    return torch.where(below, sizes, width).amin(-1)
 
 
 def _support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor) -> Decoded:
@@ -476,10 +698,9 @@ def _support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor)
         a, lm = alpha[adaptive], lam[adaptive]
         raised = torch.zeros_like(bounded)
         left = torch.zeros_like(bounded)  # rows the search left for a wider round
-        log_floor = None
         closed = plan.family in CLOSED_GAP_FAMILIES  # every gap of the round at once
         if plan.generator is None and not closed:
-            floor, log_floor = _floor_sizes(plan.mode, sub, a, lm)
+            floor = _floor_sizes(plan.mode, sub, a, lm)
             floor = torch.minimum(floor, upper)
             raised = floor > lo
             lo = torch.maximum(lo, floor)
@@ -487,7 +708,7 @@ def _support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor)
             found = closed_sizes(plan.family, sub, lm, upper, width, lo)
         else:
             found, maps, have, left = _search(plan.family, plan.mode, sub, a, lm, lo, upper,
-                                              plan.generator, raised, log_floor, ~bounded)
+                                              plan.generator, raised, ~bounded)
             cache = torch.full((k.shape[0], maps.shape[-1]), -math.inf, dtype=maps.dtype,
                                device=maps.device)
             cache[adaptive] = maps

@@ -45,29 +45,42 @@ from .numerics import bregman_alpha_kernel, logsubexp, logsumexp_masked
 Tensor = torch.Tensor
 
 
-def primal_log_gap(log_q: Tensor, log_q_next: Tensor, m: Tensor, alpha: Tensor) -> Tensor:
-    """log G(m) for the primal alpha family from log T_m and log T_(m+1) (``[..., W]``)."""
+def _log_ratios(log_q: Tensor, log_q_next: Tensor, inside: Tensor, rho: Tensor | None
+                ) -> Tensor:
+    """rho_i = log(q_i / q'_i) on the support (0 elsewhere). From two normalized maps it carries
+    their rounding (about 1e-16 each), which is all of it where the maps barely differ (the
+    head of a long support: true rho ~ 1e-20): callers that solved both maps by their
+    multipliers pass it exact (``rho``, the difference of the maps' log(q / p))."""
+    rho = log_q - log_q_next if rho is None else rho
+    return torch.where(inside & torch.isfinite(rho), rho, 0.0)
+
+
+def primal_log_gap(log_q: Tensor, log_q_next: Tensor, m: Tensor, alpha: Tensor,
+                   rho: Tensor | None = None) -> Tensor:
+    """log G(m) for the primal alpha family from log T_m and log T_(m+1) (``[..., W]``;
+    ``rho``: `_log_ratios`)."""
     width = log_q.shape[-1]
     positions = torch.arange(width, device=log_q.device)
     inside = positions < m.unsqueeze(-1)
     a = alpha.to(log_q.dtype).unsqueeze(-1)
-    rho = torch.where(inside, log_q - log_q_next, 0.0)
+    rho = _log_ratios(log_q, log_q_next, inside, rho)
     terms = a * log_q_next + bregman_alpha_kernel(a, rho)
     added = torch.gather(log_q_next, -1, m.unsqueeze(-1)).squeeze(-1)  # q'_(m+1)
-    last = alpha.to(log_q.dtype) * added - torch.log(alpha.to(log_q.dtype))
+    last = log_entry_term("primal", added, added, alpha.to(log_q.dtype))
     return torch.logaddexp(logsumexp_masked(terms, inside), last)
 
 
 def dual_log_gap(log_p: Tensor, log_q: Tensor, log_q_next: Tensor, m: Tensor,
-                 alpha: Tensor) -> Tensor:
-    """log G*(m) for the dual alpha family (alpha > 1) from log T*_m and log T*_(m+1)."""
+                 alpha: Tensor, rho: Tensor | None = None) -> Tensor:
+    """log G*(m) for the dual alpha family (alpha > 1) from log T*_m and log T*_(m+1)
+    (``rho``: `_log_ratios`)."""
     width = log_q.shape[-1]
     positions = torch.arange(width, device=log_q.device)
     inside = positions < m.unsqueeze(-1)
     a = alpha.to(log_q.dtype)
     b = a - 1.0
     acol, bcol = a.unsqueeze(-1), b.unsqueeze(-1)
-    rho = torch.where(inside, log_q - log_q_next, 0.0)
+    rho = _log_ratios(log_q, log_q_next, inside, rho)
     lp = torch.where(inside, log_p, 0.0)
     # R_i = beta q'^alpha K_alpha(rho) + (2 - alpha) p q'^beta K_beta(rho).
     first = torch.log(bcol) + acol * log_q_next + bregman_alpha_kernel(acol, rho)
@@ -77,11 +90,34 @@ def dual_log_gap(log_p: Tensor, log_q: Tensor, log_q_next: Tensor, m: Tensor,
     index = m.unsqueeze(-1)
     lq1 = torch.gather(log_q_next, -1, index).squeeze(-1)
     lp1 = torch.gather(log_p, -1, index).squeeze(-1)
-    # E = q'^beta [beta^2 (q' - p) + p] / (alpha beta), with q' - p = p expm1(log q' - log p).
-    moved = lp1 + torch.log(torch.expm1((lq1 - lp1).clamp_min(0.0)))
-    inner = torch.logaddexp(2.0 * torch.log(b) + moved, lp1)
-    last = b * lq1 + inner - torch.log(a * b)
+    last = log_entry_term("dual", lp1, lq1, a)
     return torch.logaddexp(logsumexp_masked(log_r, inside), last)
+
+
+def log_entry_term(mode: str, log_p: Tensor, log_q: Tensor, alpha: Tensor) -> Tensor:
+    """log w(p, q): the term of the entry p_(k+1) in G(k) when the map gives it q (elementwise;
+    ``alpha`` broadcasts):
+
+        primal  w = d(0, q) = q^alpha / alpha,
+        dual    w = q^beta [beta^2 (q - p) + p] / (alpha beta),   beta = alpha - 1,
+
+    the dual one a sum of nonnegative terms (q - p = p expm1(log q - log p) >= 0; p = 0 gives
+    beta q^alpha / alpha). It is also the value at the map's multiplier nu of the entry's
+    Lagrangian term, w(p, nu) = d(p, 0) + max_y [nu y - d(p, y)] (dual), resp. d(0, p) +
+    max_y [nu y - d(y, p)] (primal), with q the maximizer y; by weak duality at the multipliers
+    of T_k and T_(k+1) (`exact._probe`)
+
+        w(p_(k+1), nu_(k+1)) <= G(k) <= w(p_(k+1), nu_k).
+    """
+    if mode == "primal":
+        return alpha * log_q - torch.log(alpha)
+    b = alpha - 1.0
+    positive = torch.isfinite(log_p)
+    lp = torch.where(positive, log_p, 0.0)
+    moved = lp + torch.log(torch.expm1((log_q - lp).clamp_min(0.0)))
+    inner = torch.where(positive, torch.logaddexp(2.0 * torch.log(b) + moved, lp),
+                        2.0 * torch.log(b) + log_q)
+    return b * log_q + inner - torch.log(alpha * b)
 
 
 def kl_gaps(prefix: Tensor, x: Tensor) -> Tensor:

@@ -35,7 +35,7 @@ import torch
 
 from .families import Family
 from .numerics import log_expm1, logsumexp_masked
-from .roots import safeguarded_newton
+from .roots import NEWTON_TOLERANCE, Multiplier, safeguarded_newton
 
 Tensor = torch.Tensor
 
@@ -138,14 +138,18 @@ def _top_log_q(log_p: Tensor, finite: Tensor, beta: Tensor, delta: Tensor) -> Te
     With g_i = log p_1 - log p_i >= 0, (q_i / p_i)^beta = 1 + w_i = -expm1(beta g_i) +
     e^(beta (g_i + delta)), a sum of two nonnegative terms; zero entries stay zero (f(0) = -inf).
     """
+    return torch.where(finite, log_p + _top_lift(log_p, beta, delta), -math.inf)
+
+
+def _top_lift(log_p: Tensor, beta: Tensor, delta: Tensor) -> Tensor:
+    """log(q_i / p_i) of `_top_log_q` (no cancellation where it is tiny)."""
     b = beta.unsqueeze(-1)
     d = delta.unsqueeze(-1)
     gap = log_p[..., :1] - log_p
     w = torch.exp(b * gap) * torch.expm1(b * d)
     near = torch.log1p(w.clamp_min(-0.5))
     far = torch.logaddexp(torch.log(-torch.expm1(b * gap)), b * (gap + d))
-    log_q = log_p + torch.where(w > -0.5, near, far) / b
-    return torch.where(finite, log_q, -math.inf)
+    return torch.where(w > -0.5, near, far) / b
 
 
 def _normalized(log_q: Tensor, mask: Tensor) -> Tensor:
@@ -154,9 +158,19 @@ def _normalized(log_q: Tensor, mask: Tensor) -> Tensor:
     return log_q - torch.logsumexp(log_q, -1, keepdim=True)
 
 
-def newton_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Tensor,
-                      k: Tensor) -> Tensor:
-    """Any finite alpha != 0: solve sum_i q_i = 1 with q_i from eq. (4) by safeguarded Newton.
+def _added(lp: Tensor, finite: Tensor, rise: Tensor, q: Tensor) -> Tensor:
+    """The mass the map adds to the support (``finite``: its positive entries; ``q``: 0 off the
+    support), sum_i q_i - p_i = p_i expm1(log(q_i / p_i)) (zero entries: q_i): positive
+    terms, so the constraint sum_i q_i = 1, written as this = R, holds to a few ulps of R."""
+    return torch.where(finite, torch.exp(lp) * torch.expm1(rise), q).sum(-1)
+
+
+def primal_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Tensor, k: Tensor,
+                      start: Tensor | None = None) -> Multiplier:
+    """Any finite alpha != 0, 1: T_alpha on the support ``mask`` (the first k columns) by its
+    scalar, solving sum_i q_i = 1 with q_i from eq. (4) by safeguarded Newton, with the values the
+    same scalar gives every column (`roots.Multiplier`; past the support, what eq. (4) at that
+    multiplier gives the entry).
 
     beta = alpha - 1 > 0, in the water level tau = log c: sum_i q_i(tau) is convex and increasing.
     The start tau_KL (q_1 equal to its KL value p_1 / S) has sum q >= 1, so Newton decreases
@@ -164,60 +178,98 @@ def newton_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
     (a^b + c^b)^(1/b) <= a + c) and log(beta R/k)/beta for beta < 1 (mean value theorem); for
     beta < 1, log(R/k) is a second right end, and the start is the smaller of the two.
     beta < 0, in delta = log q_1 - log p_1 on [0, -log p_1], from the KL value -log S.
+    ``start``: the scalar of a nearby solve (a neighbouring support size), used where it lies
+    inside the bracket.
     """
     dtype = log_p.dtype
     beta = alpha.to(dtype) - 1.0
-    finite = torch.isfinite(log_p) & mask
-    keep = mask.to(dtype)
-    lp = torch.where(finite, log_p, 0.0)  # finite placeholder; masked out of every sum
+    positive = torch.isfinite(log_p)
+    lp = torch.where(positive, log_p, 0.0)  # finite placeholder; masked out of every sum
     top = lp[..., 0]
-    log_s = logsumexp_masked(log_p, finite)
-    out = torch.empty_like(log_p)
+    scalar = torch.empty_like(top)
+    log_q = torch.empty_like(log_p)
+    rate = torch.empty_like(log_p)
+    lift = torch.empty_like(log_p)  # log(q / p), exact where tiny
+    # Newton runs on the support's columns; every column's value follows from the scalar.
+    near = min(log_p.shape[-1], int(k.max()))
+    deficit = torch.exp(log_deficit)
+    finite = positive[:, :near] & mask[:, :near]
+    keep = mask[:, :near].to(dtype)
+    log_s = logsumexp_masked(log_p[:, :near], finite)
+
+    def started(first: Tensor, low: Tensor, high: Tensor, i: Tensor) -> Tensor:
+        if start is None:
+            return first
+        near = start[i]
+        return torch.where((near > low) & (near < high), near, first)
 
     up = beta > 0
     if bool(up.any()):
         i = up.nonzero().squeeze(-1)
-        lpi, fin, kp, b = lp[i], finite[i], keep[i], beta[i]
+        lpi, fin, kp, b = lp[i, :near], finite[i], keep[i], beta[i]
         log_ratio = log_deficit[i] - torch.log(k[i].to(dtype))
         low = torch.where(b >= 1, log_ratio, (torch.log(b) + log_ratio) / b)
         high = top[i] + log_expm1(-b * top[i]) / b  # q_1 = 1
-        start = top[i] + log_expm1(-b * log_s[i]) / b  # q_1 = p_1 / S
-        start = torch.where(b < 1, torch.minimum(start, log_ratio), start).minimum(high)
+        first = top[i] + log_expm1(-b * log_s[i]) / b  # q_1 = p_1 / S
+        first = torch.where(b < 1, torch.minimum(first, log_ratio), first).minimum(high)
         # q_i >= max(p_i, c): c is at most the water-filling level, a closer upper end than
         # the KL start where the support has a long tail (k* in the thousands).
-        water = _water_level(torch.where(fin, torch.exp(lpi), 0.0), mask[i], log_deficit[i])
-        start = torch.minimum(start, torch.log(water[..., 0]))
-        low = torch.minimum(low, start)
+        water = _water_level(torch.where(fin, torch.exp(lpi), 0.0), mask[i, :near],
+                             log_deficit[i])
+        first = torch.minimum(first, torch.log(water[..., 0]))
+        low = torch.minimum(low, first)
         bcol = b.unsqueeze(-1)
 
-        def level_equation(tau: Tensor) -> tuple[Tensor, Tensor]:
+        def level_equation(tau: Tensor) -> tuple[Tensor, Tensor, Tensor]:
             z = bcol * (tau.unsqueeze(-1) - lpi)
-            q = torch.exp(torch.where(fin, lpi + _softplus(z) / bcol, tau.unsqueeze(-1))) * kp
-            return q.sum(-1) - 1.0, (q * torch.where(fin, torch.sigmoid(z), 1.0)).sum(-1)
+            rise = _softplus(z) / bcol  # log(q / p)
+            q = torch.exp(torch.where(fin, lpi + rise, tau.unsqueeze(-1))) * kp
+            return (_added(lpi, fin, rise, q) - deficit[i], (q * torch.where(fin, torch.sigmoid(z),
+                    1.0)).sum(-1), NEWTON_TOLERANCE * deficit[i])
 
-        tau = safeguarded_newton(level_equation, start, low, high)
-        out[i] = _normalized(_level_log_q(lpi, fin, b, tau), mask[i])
+        tau = safeguarded_newton(level_equation, started(first, low, high, i), low, high)
+        scalar[i] = tau
+        log_q[i] = _level_log_q(lp[i], positive[i], b, tau)
+        rise = bcol * (tau.unsqueeze(-1) - lp[i])
+        rate[i] = torch.where(positive[i], torch.sigmoid(rise), 1.0)
+        lift[i] = _softplus(rise) / bcol
 
     down = ~up
     if bool(down.any()):
         i = down.nonzero().squeeze(-1)
-        lpi, fin, kp, b = log_p[i], finite[i], keep[i], beta[i]
+        lpi, fin, kp, b = log_p[i, :near], finite[i], keep[i], beta[i]
         high = (-top[i]).clamp_min(0.0)
         low = torch.zeros_like(high)
         u_col = (top[i]).unsqueeze(-1)
         bcol = b.unsqueeze(-1)
 
-        def top_equation(delta: Tensor) -> tuple[Tensor, Tensor]:
-            log_q = torch.where(mask[i], _top_log_q(lpi, fin, b, delta), -math.inf)
-            q = torch.exp(log_q)
+        def weights(delta: Tensor, log_q: Tensor) -> Tensor:
             # d log q_i / d delta = (q_1 / q_i)^beta.
-            weight = torch.exp(bcol * (u_col + delta.unsqueeze(-1) - log_q)) * kp
-            return q.sum(-1) - 1.0, (q * torch.nan_to_num(weight)).sum(-1)
+            return torch.nan_to_num(torch.exp(bcol * (u_col + delta.unsqueeze(-1) - log_q)))
 
-        start = (-log_s[i]).clamp_min(0.0).minimum(high)
-        delta = safeguarded_newton(top_equation, start, low, high)
-        out[i] = _normalized(_top_log_q(lpi, fin, b, delta), mask[i])
-    return out
+        def top_equation(delta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+            rise = _top_lift(lpi, b, delta)
+            log_q = torch.where(fin, lpi + rise, -math.inf)
+            q = torch.exp(log_q)
+            return (_added(lpi, fin, rise, q) - deficit[i],
+                    (q * weights(delta, log_q) * kp).sum(-1), NEWTON_TOLERANCE * deficit[i])
+
+        first = (-log_s[i]).clamp_min(0.0).minimum(high)
+        delta = safeguarded_newton(top_equation, started(first, low, high, i), low, high)
+        scalar[i] = delta
+        lift[i] = _top_lift(lp[i], b, delta)
+        log_q[i] = torch.where(positive[i], lp[i] + lift[i], -math.inf)
+        rate[i] = torch.where(positive[i], weights(delta, log_q[i]), 0.0)
+    # d^2 log q / ds^2 = beta rate (1 - rate) for both scalars (tau: rate = sigmoid(beta (tau -
+    # log p)); delta: rate = (q_1 / q)^beta, d log q_1 / d delta = 1).
+    lift = torch.where(positive, lift, log_q)
+    return Multiplier(scalar, log_q, rate, beta.unsqueeze(-1) * rate * (1.0 - rate), lift)
+
+
+def newton_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Tensor,
+                      k: Tensor) -> Tensor:
+    """log T_alpha on the support (`primal_multiplier`), normalized, -inf off it."""
+    return _normalized(primal_multiplier(log_p, mask, alpha, log_deficit, k).log_q, mask)
 
 
 #: Arguments: log p, support mask, log R, k.

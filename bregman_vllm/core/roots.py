@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -64,3 +65,22 @@ def safeguarded_newton(evaluate: Callable[[Tensor], Evaluation], x: Tensor, low:
             moved(x, updated)
         x = updated
     return x
+
+
+class Multiplier(NamedTuple):
+    """A map of eq. (4) or (5) on a fixed support, by its scalar: every entry's value is explicit
+    in one unknown per row (primal: the level of eq. (4); dual: s = log nu of eq. (5)), so
+    the same scalar also gives each entry past the support the value the map would give it.
+
+    ``log_q``, ``rate``, ``curvature`` and ``lift`` cover every column the solve was given
+    ([n, C]); the support is the first k columns and sums to 1 there up to `NEWTON_TOLERANCE`
+    (not renormalized).
+    ``state`` is the dual's inner unknowns z = log log(q / p) ([n, C]), a warm start for a
+    nearby solve; None for the primal, whose entries are closed forms in s."""
+
+    s: Tensor  # [n]
+    log_q: Tensor  # [n, C] log q_j at s
+    rate: Tensor  # [n, C] d log q_j / d s
+    curvature: Tensor  # [n, C] d^2 log q_j / d s^2
+    lift: Tensor  # [n, C] log(q_j / p_j) >= 0, exact where tiny (p_j = 0: log q_j)
+    state: Tensor | None = None
