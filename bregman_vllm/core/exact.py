@@ -243,6 +243,7 @@ def _window_exceeds(family: Family | None, mode: str, cand: Candidates, start: T
 
 #: Probes guided by the multipliers (`_probe`) before the search only bisects.
 GUIDED_PROBES = 8
+#: Columns a probe values past twice its size, for its prediction (`_guided`).
 _SPARE_COLUMNS = 64
 #: A bracket this narrow is decided by one probe of all its sizes (user generators).
 FINAL_WINDOW = 8
