@@ -77,6 +77,47 @@ def test_one_call_at_most_one_sync_and_150_launches(logits, name, gpu_ops):
         assert counter.syncs == 0, dict(counter.sync_ops)
 
 
+#: Min / max reductions: inductor writes their masked lanes' value from the input dtype.
+_MIN_MAX = frozenset({"amin", "amax", "min", "max", "argmin", "argmax", "aminmax"})
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_no_integer_min_or_max_reduction_in_a_step(logits, name, gpu_ops):
+    """The window pass reduces no integer tensor by min or max (`numerics.first_true` takes
+    such minima in floating point): torch 2.11's inductor fails to write the Triton code of one
+    with masked lanes (seen compiling the step on an H200, docs/benchmarks.md), and the GPU
+    step then runs eagerly. Counted on the CPU, eager, as the compiled graph would trace it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    found: list[str] = []
+
+    class Reductions(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name.split("::")[-1]
+            first = args[0] if args else None
+            if name in _MIN_MAX and isinstance(first, torch.Tensor) and first.dim() > 0 \
+                    and not first.dtype.is_floating_point:
+                found.append(f"{func} on {first.dtype} {tuple(first.shape)}")
+            return func(*args, **(kwargs or {}))
+
+    with Reductions():
+        bregman_decode_logits(logits, **CONFIGS[name])
+    assert not found, found
+
+
+def test_first_true_is_the_first_flagged_position_or_the_fill():
+    from bregman_vllm.core.numerics import first_true
+
+    g = torch.Generator().manual_seed(3)
+    flags = torch.rand(64, 300, generator=g) < 0.02
+    flags[:4] = False  # rows with no flag get the fill
+    positions = torch.arange(1, 301, dtype=torch.float32)
+    got = first_true(flags, positions, 301)
+    want = torch.tensor([next((j + 1 for j in range(300) if row[j]), 301)
+                         for row in flags.tolist()])
+    assert got.dtype == torch.long and torch.equal(got, want)
+
+
 @pytest.fixture
 def gpu_ops(monkeypatch):
     """The ops a CUDA step runs (`candidates.SOFTMAX_NORMALIZER`, `write.READ_WRITE_FILL`

@@ -160,3 +160,12 @@ def _far(a: Tensor, b: Tensor, r: Tensor, zero: Tensor) -> Tensor:
 def logsumexp_masked(x: Tensor, mask: Tensor, dim: int = -1) -> Tensor:
     """logsumexp over entries where mask is True; -inf for an empty selection."""
     return torch.logsumexp(x.masked_fill(~mask, -math.inf), dim=dim)
+
+
+def first_true(flags: Tensor, positions: Tensor, fill: float) -> Tensor:
+    """The entry of ``positions`` ([W], float, increasing) at the first True of ``flags``
+    ([..., W]) along the last dimension, else ``fill``; int64. The minimum is taken in floating
+    point (exact for positions below 2^24): torch 2.11's inductor fails to write the Triton
+    code of an integer minimum with masked lanes (``torch.iinfo`` of a float dtype; seen
+    compiling the step on an H200, docs/benchmarks.md), which left the GPU step eager."""
+    return torch.where(flags, positions, fill).amin(-1).long()

@@ -34,7 +34,7 @@ import math
 import torch
 
 from .families import Family
-from .numerics import log_expm1, logsumexp_masked
+from .numerics import first_true, log_expm1, logsumexp_masked
 from .roots import NEWTON_TOLERANCE, Multiplier, safeguarded_newton
 
 Tensor = torch.Tensor
@@ -90,10 +90,10 @@ def _water_level(p: Tensor, mask: Tensor, log_deficit: Tensor) -> Tensor:
     deficit = torch.exp(log_deficit).unsqueeze(-1)
     above = deficit + suffix  # 1 - S_j for j = 0..width-1 (entries before j are above water)
     k = mask.sum(-1, keepdim=True)
-    j = torch.arange(width, device=p.device)
-    level = above / (k - j).clamp_min(1).to(p.dtype)
+    j = torch.arange(width, device=p.device, dtype=p.dtype)  # float: see `first_true`
+    level = above / (k - j).clamp_min(1)
     valid = (level >= p) & (j < k)
-    first = torch.where(valid, j, width).amin(-1, keepdim=True).clamp_max(width - 1)
+    first = first_true(valid, j, width - 1).unsqueeze(-1)
     return torch.gather(level, -1, first)
 
 

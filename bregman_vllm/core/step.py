@@ -611,9 +611,11 @@ _WARNED: set[str] = set()
 
 
 def compile_enabled(device: torch.device) -> bool:
-    """``BREGMAN_COMPILE``: "auto" (the default) compiles the window passes on CUDA and runs
-    them eagerly elsewhere (on this project's 2-core CPU the compiled pass is not faster:
-    `benchmarks/bench_core.py --compile both`); "1" compiles everywhere, "0" never."""
+    """``BREGMAN_COMPILE``: "auto" (the default) compiles the window passes on CUDA (on an H200
+    the eager step is host-bound, and a window graph cut the six-family step to 0.19x:
+    `benchmarks/bench_compile.py`) and runs them eagerly elsewhere (on this project's 2-core
+    CPU the compiled pass is not faster: `benchmarks/bench_core.py --compile both`); "1"
+    compiles everywhere, "0" never."""
     return _compile_choice(os.environ.get("BREGMAN_COMPILE", "auto"), device.type)
 
 

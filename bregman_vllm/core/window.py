@@ -47,6 +47,7 @@ from .candidates import Candidates, _arange
 from .dual import quadratic_root
 from .families import Family
 from .gaps import closed_form_gaps
+from .numerics import first_true
 from .primal import closed_log_renorm
 
 Tensor = torch.Tensor
@@ -87,8 +88,8 @@ def first_stop(stop: Tensor, window: int) -> Tensor:
     """The first k in 1 .. window - 1 whose ``stop`` ([n, window - 1]) holds, else window."""
     if window == 1:
         return torch.ones(stop.shape[0], dtype=torch.long, device=stop.device)
-    sizes = _arange(window + 1, stop.device)[1:window]
-    return sizes.masked_fill(~stop, window).amin(-1)
+    sizes = _arange(window + 1, stop.device, torch.float32)[1:window]
+    return first_true(stop, sizes, window)
 
 
 def support_log(q: Tensor) -> Tensor:
