@@ -54,7 +54,7 @@ MODEL = "models/tiny-llama"
 PROMPT = "ROMEO:\n"
 KEY = secrets.token_hex(8)
 AUTH = {"Authorization": f"Bearer {KEY}"}
-GRACE = 120  # seconds: far more than the streams need, on a loaded 2-core machine
+GRACE = 240  # seconds: over twice what the streams needed on a 2-core machine at half speed (101 s)
 ARGS = ["--model", MODEL, "--api-key", KEY, "--logprobs-mode", "processed_logprobs",
         "--enforce-eager", "--max-model-len", "4096", "--max-num-seqs", "32",
         "--graceful-timeout", str(GRACE), "--data-parallel-size", "2", "--api-server-count", "2",
