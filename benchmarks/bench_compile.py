@@ -27,6 +27,7 @@ import time
 from functools import partial
 
 import torch
+from bench_core import timed
 
 from bregman_vllm.core import step as step_module
 from bregman_vllm.core.plan import plan_requests
@@ -45,33 +46,13 @@ def mixed_plan(batch: int, vocab: int, device: str):
 
 
 def set_compile(mode: str) -> None:
-    os.environ["BREGMAN_COMPILE"] = mode
-    step_module._compile_choice.cache_clear()
+    os.environ["BREGMAN_COMPILE"] = mode  # read at every pass (cached per value)
 
 
 def step(logits: torch.Tensor, plan) -> torch.Tensor:
     out = logits.clone()
     step_module.decode_step(out, plan, logits=True, inplace=True)
     return out
-
-
-def median_ms(fn, device: str, repeats: int) -> float:
-    cuda = device.startswith("cuda")
-    samples = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - began) * 1e3)
-    return statistics.median(samples)
 
 
 def main() -> None:
@@ -127,11 +108,11 @@ def main() -> None:
                 cases[f"{label}{' [compiled]' if mode == '1' else ''}"] = (
                     mode, partial(step, rows_in, plan))
         times: dict[str, list[float]] = {name: [] for name in cases}
-        for _ in range(6):  # interleaved (the first round warms up), so load hits all alike
+        for _ in range(5):  # interleaved, so that load hits every case alike
             for name, (mode, call) in cases.items():
                 set_compile(mode)
-                times[name].append(median_ms(call, device, max(1, args.repeats // 5)))
-        medians = {name: statistics.median(sample[1:]) for name, sample in times.items()}
+                times[name].append(timed(call, device, max(1, args.repeats // 5))[0] * 1e3)
+        medians = {name: statistics.median(sample) for name, sample in times.items()}
         for name, ms in medians.items():
             print(f"{batch:>6} {name:<38} {ms:8.3f} {ms / medians['torch.softmax']:10.2f}")
     if step_module.compile_count() != compiled_at_start:

@@ -93,9 +93,9 @@ def test_no_integer_min_or_max_reduction_in_a_step(logits, name, gpu_ops):
 
     class Reductions(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func._schema.name.split("::")[-1]
+            op = func._schema.name.split("::")[-1]
             first = args[0] if args else None
-            if name in _MIN_MAX and isinstance(first, torch.Tensor) and first.dim() > 0 \
+            if op in _MIN_MAX and isinstance(first, torch.Tensor) and first.dim() > 0 \
                     and not first.dtype.is_floating_point:
                 found.append(f"{func} on {first.dtype} {tuple(first.shape)}")
             return func(*args, **(kwargs or {}))
