@@ -1,4 +1,11 @@
-"""Session-wide pytest hooks."""
+"""Session-wide pytest hooks: the figures some modules collect, printed once at the end.
+
+`make test` runs the suite on two pytest-xdist workers (``-n 2 --dist loadfile``: a module's
+tests, and the servers its fixtures share, stay on one worker). The figures are kept in module
+globals named ``FIGURES`` by the module that collects them; each worker hands its modules'
+figures to the controller (``workeroutput``), which prints them with the summary. Without
+xdist the same modules are read in the one process.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +13,36 @@ import json
 import sys
 from typing import Any
 
+import pytest
+
+#: Modules with figures, and the label of each in the summary.
+_FIGURE_MODULES = {"reliability": "reliability", "router": "router",
+                   "data_parallel": "data parallel"}
+_collected: dict[str, Any] = {}
+
+
+def _local_figures() -> dict[str, Any]:
+    figures = {}
+    for name in _FIGURE_MODULES:
+        found = getattr(sys.modules.get(f"tests.test_{name}"), "FIGURES", None)
+        # The reliability figures count requests: only worth showing once some were sent.
+        if found and (name != "reliability" or found.get("requests")):
+            figures[name] = found
+    return figures
+
+
+def pytest_sessionfinish(session: Any) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: hand them to the controller
+        workeroutput["figures"] = json.dumps(_local_figures())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """xdist controller: a worker finished; keep its figures."""
+    _collected.update(json.loads(getattr(node, "workeroutput", {}).get("figures", "{}")))
+
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """The reliability suite's figures (tests/test_reliability.py), when it ran."""
-    module = sys.modules.get("tests.test_reliability")
-    figures = getattr(module, "FIGURES", None)
-    if figures and figures["requests"]:
-        terminalreporter.write_line(f"reliability figures: {json.dumps(figures)}")
-    # The router's and data parallelism's (tests/test_router.py, tests/test_data_parallel.py).
-    for name in ("router", "data_parallel"):
-        figures = getattr(sys.modules.get(f"tests.test_{name}"), "FIGURES", None)
-        if figures:
-            terminalreporter.write_line(f"{name.replace('_', ' ')} figures: "
-                                        f"{json.dumps(figures)}")
+    for name, figures in {**_local_figures(), **_collected}.items():
+        terminalreporter.write_line(f"{_FIGURE_MODULES[name]} figures: {json.dumps(figures)}")
