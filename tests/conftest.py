@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
+
+import torch
+
+if not torch.cuda.is_available():
+    # The Triton kernels' tests (tests/test_kernels.py) run them on CPU tensors under Triton's
+    # interpreter, which Triton reads when it is first imported (vLLM imports it): set before
+    # any test module is collected. On a GPU they run on the device.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
