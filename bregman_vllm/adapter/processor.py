@@ -185,7 +185,7 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
 
             if not kernels.INTERPRETED:  # (the interpreter compiles nothing)
                 # Every kernel now, before vLLM profiles memory and serves: no step compiles.
-                kernels.warm_up(self.device, vocab, mapped=self.runner_v2)
+                kernels.warm_up(self.device, vocab)
 
     def _reserve_memory(self, rows: int | None, vocab: int | None) -> torch.Tensor | None:
         """Hold the step's worst case until the first apply() (see the module docstring)."""

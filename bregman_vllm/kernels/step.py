@@ -31,8 +31,9 @@ False); otherwise the hand-off (`hand_off`) reads ``needs`` once (one sync) and 
 exact path (`core.exact.decode_exact`) on those rows, grouped by family on the host.
 
 Specialization: each kernel is compiled per (candidate width K, logits or probabilities,
-identity or mapped rows, temperatures in use, in place), by `warm_up` at construction; row
-counts are grid sizes, strides are not specialized on, so no batch recompiles.
+in place), by `warm_up` at construction; row counts are grid sizes, the row -> slot mapping is
+always a tensor (the identity for a plan's table), strides are not specialized on: no batch
+recompiles.
 """
 
 from __future__ import annotations
@@ -105,15 +106,15 @@ class KernelStep(NamedTuple):
 
 @triton.jit(do_not_specialize=["stride"])
 def _read_kernel(scores_ptr, stride, vocab, blocks, map_ptr, family_ptr, scale_ptr,
-                 max_ptr, mass_ptr, MAPPED: tl.constexpr, SCALED: tl.constexpr,
-                 LOGITS: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
+                 max_ptr, mass_ptr, LOGITS: tl.constexpr, TILE: tl.constexpr,
+                 BLOCK: tl.constexpr):
     """Block maxima and masses of one row's chunk of blocks (`candidates._top`'s reads 1 and
     2 in one: `candidates._mass`)."""
     row = tl.program_id(0).to(tl.int64)
-    slot = tl.load(map_ptr + row).to(tl.int64) if MAPPED else row
+    slot = tl.load(map_ptr + row).to(tl.int64)
     if tl.load(family_ptr + slot) == 0:
         return
-    scale = tl.load(scale_ptr + slot) if SCALED else 1.0
+    scale = tl.load(scale_ptr + slot)
     per = tl.cdiv(blocks, tl.num_programs(1))
     first = tl.program_id(1) * per
     last = tl.minimum(first + per, blocks)
@@ -144,8 +145,7 @@ def _read_kernel(scores_ptr, stride, vocab, blocks, map_ptr, family_ptr, scale_p
 @triton.jit(do_not_specialize=["stride"])
 def _select_kernel(scores_ptr, stride, vocab, blocks, map_ptr, family_ptr, fixed_ptr,
                    size_ptr, scale_ptr, max_ptr, mass_ptr, x_ptr, log_x_ptr, deficit_ptr,
-                   index_ptr, total_ptr, valid_ptr, MAPPED: tl.constexpr,
-                   SCALED: tl.constexpr, LOGITS: tl.constexpr, K: tl.constexpr,
+                   index_ptr, total_ptr, valid_ptr, LOGITS: tl.constexpr, K: tl.constexpr,
                    KB: tl.constexpr, NBP: tl.constexpr, CHUNK: tl.constexpr,
                    BLOCK: tl.constexpr, SMALLEST: tl.constexpr):
     """One row's log-normalizer (or total mass) and its K candidates (`candidates.candidates`):
@@ -153,11 +153,11 @@ def _select_kernel(scores_ptr, stride, vocab, blocks, map_ptr, family_ptr, fixed
     R_(j+1) = tail + sum_(i>j) x_i from positive terms, positions; whether the row is a
     distribution."""
     row = tl.program_id(0).to(tl.int64)
-    slot = tl.load(map_ptr + row).to(tl.int64) if MAPPED else row
+    slot = tl.load(map_ptr + row).to(tl.int64)
     family = tl.load(family_ptr + slot)
     if family == 0:
         return
-    scale = tl.load(scale_ptr + slot).to(tl.float64) if SCALED else tl.full((), 1.0, tl.float64)
+    scale = tl.load(scale_ptr + slot).to(tl.float64)
     listed = tl.arange(0, NBP)
     inside = listed < blocks
     block_max = tl.load(max_ptr + row * blocks + listed, mask=inside, other=float("-inf"))
@@ -185,17 +185,18 @@ def _select_kernel(scores_ptr, stride, vocab, blocks, map_ptr, family_ptr, fixed
         outside = inside & (order_key(block_max, listed) < tl.min(chosen, axis=0))
         tail = tl.sum(tl.where(outside, block_mass, 0.0), axis=0)
         lanes = tl.arange(0, BLOCK)
-        best = tl.zeros([K], tl.int64)
-        for c in tl.static_range(0, KB, CHUNK):
+        # (distinct keys below every entry's, `formulas.order_key`, until the first chunk)
+        best = -9223372036854775807 + tl.arange(0, K).to(tl.int64)
+        for c in range(0, KB, CHUNK):
             picked = tl.gather(chosen_blocks, c + tl.arange(0, CHUNK), 0)
             offsets = picked[:, None] * BLOCK + lanes[None, :]
             values = tl.load(scores_ptr + row * stride + offsets, mask=offsets < vocab,
                              other=float("-inf")).to(tl.float32)
             keys = top_keys(tl.reshape(order_key(values, offsets), [CHUNK * BLOCK]), K)
-            best = keys if c == 0 else top_keys(tl.reshape(tl.join(best, keys), [2 * K]), K)
+            best = top_keys(tl.reshape(tl.join(best, keys), [2 * K]), K)
         # The chosen blocks' other entries.
         last = tl.min(best, axis=0)
-        for c in tl.static_range(0, KB, CHUNK):
+        for c in range(0, KB, CHUNK):
             picked = tl.gather(chosen_blocks, c + tl.arange(0, CHUNK), 0)
             offsets = picked[:, None] * BLOCK + lanes[None, :]
             present = offsets < vocab
@@ -243,14 +244,13 @@ def _select_kernel(scores_ptr, stride, vocab, blocks, map_ptr, family_ptr, fixed
 def _decode_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
                    iterations_ptr, temperature_ptr, x_ptr, log_x_ptr, deficit_ptr, total_ptr,
                    valid_ptr, values_ptr, k_ptr, mode_ptr, needs_ptr, low_ptr, shift_ptr,
-                   bound_ptr, MAPPED: tl.constexpr, SCALED: tl.constexpr,
-                   LOGITS: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
+                   bound_ptr, LOGITS: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
                    LOG_SMALLEST: tl.constexpr):
     """One row's support size and map (`step._support_and_map`), the values to write and the
     hand-off flags. ``mode``: 0 leave the row, 1 write the window's answer, 2 keep all
     (lambda -> 0, `step._keep_all_start`: shift by T times the log-normalizer)."""
     row = tl.program_id(0).to(tl.int64)
-    slot = tl.load(map_ptr + row).to(tl.int64) if MAPPED else row
+    slot = tl.load(map_ptr + row).to(tl.int64)
     family = tl.load(family_ptr + slot)
     positions = tl.arange(0, K)
     k = tl.full((), 0, tl.int64)
@@ -264,10 +264,7 @@ def _decode_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
         fixed = tl.load(fixed_ptr + slot) != 0
         size = tl.load(size_ptr + slot)
         valid = tl.load(valid_ptr + row) != 0
-        if SCALED:
-            temperature = tl.load(temperature_ptr + slot).to(tl.float64)
-        else:
-            temperature = tl.full((), 1.0, tl.float64)
+        temperature = tl.load(temperature_ptr + slot).to(tl.float64)
         if family == KEEP_ALL:
             if valid:
                 mode = 2
@@ -440,6 +437,20 @@ def _workspace(n: int, blocks: int, width: int, dtype: torch.dtype, device: torc
     return space
 
 
+_IDENTITY: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def _identity(n: int, device: torch.device) -> Tensor:
+    """The mapping of a table whose slots are the rows (made once per batch size)."""
+    key = (n, device)
+    mapping = _IDENTITY.get(key)
+    if mapping is None:
+        if len(_IDENTITY) >= 1024:
+            _IDENTITY.clear()
+        mapping = _IDENTITY[key] = torch.arange(n, dtype=torch.int32, device=device)
+    return mapping
+
+
 def _smallest(dtype: torch.dtype) -> float:
     info = torch.finfo(dtype)
     return math.nextafter(info.tiny * info.eps, 0.0)
@@ -465,24 +476,24 @@ def decode(scores: Tensor, table: RowTable, layout: Layout, *, logits: bool,
     out = scores if inplace else torch.empty((n, vocab), dtype=scores.dtype, device=device)
     k = torch.empty(n, dtype=torch.long, device=device)
     columns = table.columns
-    mapped = mapping is not None
-    common = dict(MAPPED=mapped, SCALED=layout.scaled, LOGITS=logits)
+    if mapping is None:
+        mapping = _identity(n, device)
     splits = max(1, min(triton.cdiv(blocks, TILE), triton.cdiv(PROGRAMS, n)))
     _launch(_read_kernel, (n, splits), scores, scores.stride(0), vocab, blocks, mapping,
             columns["family"], columns["scale"], space.block_max, space.block_mass,
-            TILE=TILE, BLOCK=BLOCK, num_warps=4, **common)
+            LOGITS=logits, TILE=TILE, BLOCK=BLOCK, num_warps=4)
     _launch(_select_kernel, (n,), scores, scores.stride(0), vocab, blocks, mapping,
             columns["family"], columns["fixed"], columns["size"], columns["scale"],
             space.block_max, space.block_mass, space.x, space.log_x, space.deficit,
             space.index, space.total, space.valid, K=width, KB=chosen, NBP=listed,
             CHUNK=min(chosen, CHUNK), BLOCK=BLOCK, SMALLEST=_smallest(scores.dtype),
-            num_warps=8, **common)
+            LOGITS=logits, num_warps=8)
     _launch(_decode_kernel, (n,), mapping, columns["family"], columns["fixed"],
             columns["size"], columns["alpha"], columns["lam"], columns["iterations"],
             columns["temperature"], space.x, space.log_x, space.deficit, space.total,
             space.valid, space.values, k, space.mode, space.needs, space.low, space.shift,
             space.bound, K=width, W=WINDOW, LOG_SMALLEST=log_smallest(scores.dtype),
-            num_warps=8, **common)
+            LOGITS=logits, num_warps=8)
     _write(scores, out, k, space, width, logits, inplace, skip_needs=True)
     if not layout.sync:
         return KernelStep(out, k, 0, 0)
@@ -510,9 +521,8 @@ def hand_off(out: Tensor, scores: Tensor, k: Tensor, space: _Workspace, table: R
     them), ``low`` giving the certified lower bounds on k*. Returns (rows the window could not
     certify, rows of the exact-path families). A device-side exact path replaces this
     function without a sync."""
-    n = scores.shape[0]
     device = scores.device
-    slots_of = torch.arange(n, device=device) if mapping is None else mapping.long()
+    slots_of = mapping.long()
     flagged = torch.where(space.needs, slots_of, -1).cpu().numpy()  # the one sync
     rows = np.flatnonzero(flagged >= 0)
     if rows.size == 0:
@@ -532,7 +542,7 @@ def hand_off(out: Tensor, scores: Tensor, k: Tensor, space: _Workspace, table: R
     fixed_k = torch.where(is_fixed, size, 0)
     cap = torch.where(is_fixed | (size >= UNBOUNDED), 0, size)
     scale = columns["scale"].index_select(0, slots_of) if scaled else None
-    done = torch.zeros(n, dtype=torch.bool, device=device)
+    done = torch.zeros(scores.shape[0], dtype=torch.bool, device=device)
     try:
         for key in np.unique(families * 4 + fixed * 2 + (modes - 1)):
             members = rows[(families * 4 + fixed * 2 + (modes - 1)) == key]
@@ -603,31 +613,31 @@ def usable(scores: Tensor) -> bool:
 # ----------------------------------------------------------------------------- warm-up
 
 
-def warm_up(device: torch.device | str, vocab: int, *, mapped: bool,
-            dtype: torch.dtype = torch.float32) -> None:
-    """Compile every kernel variant a processor's steps run (both windows, with and without
-    temperatures, the failure path's write) on dummy rows of ``vocab`` entries, so that no
-    decoding step compiles; on the interpreter it runs them once."""
-    device = torch.device(device)
+def warm_up(device: torch.device | str, vocab: int, *, dtype: torch.dtype = torch.float32
+            ) -> float:
+    """Compile every kernel a processor's steps run (both windows; the write of the failure
+    path too) on two dummy rows of ``vocab`` logits, so that no decoding step compiles (on
+    the interpreter: runs them once). Returns the seconds it took."""
+    import time
+
+    from ..core.rows import Row
     from ..params import BregmanParams
 
+    start = time.perf_counter()
+    device = torch.device(device)
     table = RowTable(2, device)
-    from ..core.rows import Row
-
     table.write(0, Row.of_request(BregmanParams(alpha=1.5, lam=1e-2), vocab), 0.7)
     table.write(1, Row.of_request(BregmanParams(alpha=3.0, lam=1e-3, k_max=50), vocab))
     table.flush()
     g = torch.Generator().manual_seed(0)
-    mapping = torch.arange(2, dtype=torch.int32, device=device) if mapped else None
     for width in (WINDOW, WIDE_WINDOW):
-        for scaled in (False, True):
-            scores = (torch.randn(2, vocab, generator=g) * 4).to(device, dtype)
-            step = decode(scores, table, Layout(width, False, scaled), logits=True,
-                          inplace=True, mapping=mapping)
-            space = _workspace(2, triton.cdiv(vocab, BLOCK), width, dtype, device)
-            _write(scores, scores, step.k, space, width, True, True, skip_needs=False)
+        scores = (torch.randn(2, vocab, generator=g) * 4).to(device, dtype)
+        step = decode(scores, table, Layout(width, False, True), logits=True, inplace=True)
+        space = _workspace(2, triton.cdiv(vocab, BLOCK), width, dtype, device)
+        _write(scores, scores, step.k, space, width, True, True, skip_needs=False)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
 
 __all__ = [
