@@ -19,6 +19,8 @@ accurate to a few ulps), so that one text serves both.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
@@ -29,8 +31,9 @@ from ..core.families import Family
 from ..core.rows import FAMILY_CODES
 
 #: Triton's interpreter runs these functions (CPU tensors; ``TRITON_INTERPRET=1`` before Triton
-#: was imported).
-INTERPRET = tl.constexpr(bool(triton.knobs.runtime.interpret))
+#: was imported). (Triton before 3.4 has no ``knobs``: the variable itself.)
+INTERPRET = tl.constexpr(bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else
+                         os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"))
 
 KEEP_ALL = tl.constexpr(FAMILY_CODES[Family.KEEP_ALL])
 KL = tl.constexpr(FAMILY_CODES[Family.KL])
