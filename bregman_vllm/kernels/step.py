@@ -243,8 +243,8 @@ def _select_kernel(scores_ptr, stride, vocab, blocks, map_ptr, family_ptr, fixed
 @triton.jit
 def _decode_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
                    iterations_ptr, temperature_ptr, x_ptr, log_x_ptr, deficit_ptr, total_ptr,
-                   valid_ptr, values_ptr, k_ptr, mode_ptr, needs_ptr, low_ptr, shift_ptr,
-                   bound_ptr, LOGITS: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
+                   valid_ptr, values_ptr, k_ptr, mode_ptr, needs_ptr, flagged_ptr, low_ptr,
+                   shift_ptr, bound_ptr, LOGITS: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
                    LOG_SMALLEST: tl.constexpr):
     """One row's support size and map (`step._support_and_map`), the values to write and the
     hand-off flags. ``mode``: 0 leave the row, 1 write the window's answer, 2 keep all
@@ -267,7 +267,7 @@ def _decode_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
         temperature = tl.load(temperature_ptr + slot).to(tl.float64)
         if family == KEEP_ALL:
             if valid:
-                mode = 2
+                mode = tl.full((), 2, tl.int32)
                 total = tl.load(total_ptr + row)
                 if LOGITS:
                     shift = total * temperature
@@ -277,7 +277,7 @@ def _decode_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
         elif (family == EXACT) | (fixed & (size > K)):
             needs = valid
         elif valid:
-            mode = 1
+            mode = tl.full((), 1, tl.int32)
             alpha = tl.load(alpha_ptr + slot)
             iterations = tl.load(iterations_ptr + slot)
             where = row * K + positions
@@ -305,12 +305,12 @@ def _decode_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
                 low = tl.where(needs, K, 1).to(tl.int64)
             else:  # the iterative families search the first window only
                 near = tl.arange(0, W)
-                x = tl.load(x_ptr + row * K + near)
-                deficit = tl.load(deficit_ptr + row * K + near)
-                limit = tl.minimum(known_count(x, deficit, near, W), size)
+                x_near = tl.load(x_ptr + row * K + near)
+                deficit_near = tl.load(deficit_ptr + row * K + near)
+                limit = tl.minimum(known_count(x_near, deficit_near, near, W), size)
                 lam = tl.load(lam_ptr + slot)
-                k, near_log_q, needs, past = iterative_search(family, x, deficit, alpha, lam,
-                                                              limit, iterations, certify, W)
+                k, near_log_q, needs, past = iterative_search(
+                    family, x_near, deficit_near, alpha, lam, limit, iterations, certify, W)
                 log_q = tl.where(positions < W,
                                  tl.gather(near_log_q, tl.minimum(positions, W - 1), 0),
                                  float("-inf"))
@@ -322,6 +322,7 @@ def _decode_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
     tl.store(k_ptr + row, k)
     tl.store(mode_ptr + row, mode)
     tl.store(needs_ptr + row, needs)
+    tl.store(flagged_ptr + row, tl.where(needs, slot, -1).to(tl.int32))
     tl.store(low_ptr + row, low)
     tl.store(shift_ptr + row, shift)
     tl.store(bound_ptr + row, bound)
@@ -340,8 +341,6 @@ def _write_kernel(scores_ptr, out_ptr, stride, out_stride, vocab, index_ptr, val
     mode = tl.load(mode_ptr + row).to(tl.int32)
     if SKIP_NEEDS:
         mode = tl.where(tl.load(needs_ptr + row) != 0, 0, mode)
-    if IN_PLACE and mode == 0:
-        return
     per = tl.cdiv(vocab, tl.num_programs(1))
     first = tl.program_id(1) * per
     last = tl.minimum(first + per, vocab)
@@ -375,7 +374,7 @@ def _write_kernel(scores_ptr, out_ptr, stride, out_stride, vocab, index_ptr, val
                 count += (present & (out > 0)).to(tl.int64)
             tl.store(target + offsets, out, mask=present)
         tl.atomic_add(k_ptr + row, tl.sum(count, axis=0))
-    elif not IN_PLACE:
+    elif not IN_PLACE:  # (in place, a row left as it is is not touched)
         for start in range(first, last, TILE):
             offsets = start + lanes
             present = offsets < last
@@ -407,6 +406,7 @@ class _Workspace(NamedTuple):
     values: Tensor
     mode: Tensor
     needs: Tensor
+    flagged: Tensor  # [n] int32: the slot of a row the exact path must decode, else -1
     low: Tensor
     shift: Tensor
     bound: Tensor
@@ -430,7 +430,8 @@ def _workspace(n: int, blocks: int, width: int, dtype: torch.dtype, device: torc
             empty(n, width), empty(n, width), empty(n, width),
             empty(n, width, kind=torch.long), empty(n), empty(n, kind=torch.bool),
             empty(n, width, kind=dtype), empty(n, kind=torch.int32),
-            empty(n, kind=torch.bool), empty(n, kind=torch.long), empty(n), empty(n))
+            empty(n, kind=torch.bool), empty(n, kind=torch.int32), empty(n, kind=torch.long),
+            empty(n), empty(n))
         if len(_WORKSPACES) >= 16:
             _WORKSPACES.pop(next(iter(_WORKSPACES)))
         _WORKSPACES[key] = space
@@ -491,8 +492,8 @@ def decode(scores: Tensor, table: RowTable, layout: Layout, *, logits: bool,
     _launch(_decode_kernel, (n,), mapping, columns["family"], columns["fixed"],
             columns["size"], columns["alpha"], columns["lam"], columns["iterations"],
             columns["temperature"], space.x, space.log_x, space.deficit, space.total,
-            space.valid, space.values, k, space.mode, space.needs, space.low, space.shift,
-            space.bound, K=width, W=WINDOW, LOG_SMALLEST=log_smallest(scores.dtype),
+            space.valid, space.values, k, space.mode, space.needs, space.flagged, space.low,
+            space.shift, space.bound, K=width, W=WINDOW, LOG_SMALLEST=log_smallest(scores.dtype),
             LOGITS=logits, num_warps=8)
     _write(scores, out, k, space, width, logits, inplace, skip_needs=True)
     if not layout.sync:
@@ -522,11 +523,11 @@ def hand_off(out: Tensor, scores: Tensor, k: Tensor, space: _Workspace, table: R
     certify, rows of the exact-path families). A device-side exact path replaces this
     function without a sync."""
     device = scores.device
-    slots_of = mapping.long()
-    flagged = torch.where(space.needs, slots_of, -1).cpu().numpy()  # the one sync
+    flagged = space.flagged.cpu().numpy()  # the one sync
     rows = np.flatnonzero(flagged >= 0)
     if rows.size == 0:
         return 0, 0
+    slots_of = mapping.long()
     slots = flagged[rows]
     host = table.host
     families = host["family"][slots]
