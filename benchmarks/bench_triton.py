@@ -18,7 +18,10 @@ Sections (``--only`` runs one), in order:
 5. ``counts``: launches (kernel launches plus torch ops, `bregman_vllm.diagnostics.
    DispatchCounter`) and host syncs of one step per family;
 6. ``recompiles``: kernels compiled by steps over batch sizes 1 to 256 after the warm-up (0:
-   the warm-up covered every variant).
+   the warm-up covered every variant);
+7. ``compile`` (only when named): every kernel variant compiled for a CUDA architecture
+   (``--arch``, default 90) without a GPU, through Triton's own ptxas: compile seconds,
+   registers per thread and local memory (spills), from ``cuobjdump``.
 
 Needs torch and triton only (no vLLM). ``--smoke`` runs every section at tiny shapes on the
 CPU under Triton's interpreter (``TRITON_INTERPRET=1`` before Triton is imported; tested):
@@ -286,8 +289,72 @@ def recompiles(args) -> None:
           f"batch sizes 1 to {args.max_batch} (every family)")
 
 
+#: Triton types of the kernels' arguments (for `compile_only`).
+_TYPES = dict(
+    scores_ptr="*fp32", out_ptr="*fp32", stride="i32", out_stride="i32", vocab="i32",
+    blocks="i32", map_ptr="*i32", family_ptr="*i32", fixed_ptr="*i32", size_ptr="*i64",
+    alpha_ptr="*fp64", lam_ptr="*fp64", iterations_ptr="*i32", scale_ptr="*fp32",
+    temperature_ptr="*fp32", max_ptr="*fp32", mass_ptr="*fp32", x_ptr="*fp64",
+    log_x_ptr="*fp64", deficit_ptr="*fp64", index_ptr="*i64", total_ptr="*fp64",
+    valid_ptr="*i1", values_ptr="*fp32", k_ptr="*i64", mode_ptr="*i32", needs_ptr="*i1",
+    flagged_ptr="*i32", low_ptr="*i64", shift_ptr="*fp64", bound_ptr="*fp64")
+
+
+def compile_only(args) -> None:
+    """Compile every variant a processor's warm-up compiles, for ``--arch``, with no GPU."""
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from bregman_vllm.core.candidates import BLOCK, log_smallest
+    from bregman_vllm.kernels import step as kernel_step
+
+    if kernel_step.INTERPRET:
+        raise SystemExit("--only compile needs Triton without TRITON_INTERPRET")
+    blocks = triton.next_power_of_2(triton.cdiv(args.vocab, BLOCK))
+    dump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    print(f"\nkernels compiled for sm_{args.arch} (no GPU), vocabulary {args.vocab}")
+    for width in (kernel_step.WINDOW, kernel_step.WIDE_WINDOW):
+        variants = [
+            (kernel_step._read_kernel, dict(LOGITS=True, TILE=kernel_step.TILE, BLOCK=BLOCK), 4),
+            (kernel_step._select_kernel, dict(
+                LOGITS=True, K=width, KB=min(width, blocks), NBP=blocks,
+                CHUNK=min(width, blocks, kernel_step.CHUNK), BLOCK=BLOCK,
+                SMALLEST=kernel_step._smallest(torch.float32)), 8),
+            (kernel_step._decode_kernel, dict(LOGITS=True, K=width, W=kernel_step.WINDOW,
+                                              LOG_SMALLEST=log_smallest(torch.float32)), 8),
+            (kernel_step._write_kernel, dict(IN_PLACE=True, SKIP_NEEDS=True, LOGITS=True,
+                                             K=width, TILE=1024), 4)]
+        for kernel, constexprs, warps in variants:
+            if kernel is kernel_step._read_kernel and width != kernel_step.WINDOW:
+                continue  # (no window-size parameter)
+            signature = {name: _TYPES[name] for name in kernel.arg_names
+                         if name not in constexprs}
+            began = time.perf_counter()
+            compiled = triton.compile(ASTSource(kernel, signature, constexprs),
+                                      target=GPUTarget("cuda", args.arch, 32),
+                                      options={"num_warps": warps})
+            seconds = time.perf_counter() - began
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+                cubin.write(compiled.asm["cubin"])
+                cubin.flush()
+                usage = subprocess.run([str(dump), "--dump-resource-usage", cubin.name],
+                                       capture_output=True, text=True).stdout
+            line = next((part for part in usage.splitlines() if "REG:" in part), "")
+            found = {key: value for key, value in (item.split(":") for item in line.split()
+                                                    if item.split(":")[0] in ("REG", "LOCAL"))}
+            print(f"  {kernel.fn.__name__:<16} K={width:<4} {seconds:6.1f} s  registers "
+                  f"{found.get('REG', '?'):>4}  local memory {found.get('LOCAL', '?')} bytes")
+
+
+
 SECTIONS = {"warm-up": warm_up, "exact": exactness, "time": timings, "flat": flat_cases,
-            "counts": counts, "recompiles": recompiles}
+            "counts": counts, "recompiles": recompiles, "compile": compile_only}
+#: Sections run only when named (``--only``).
+NAMED_ONLY = ("compile",)
 
 
 def shape(text: str) -> tuple[int, int]:
@@ -307,6 +374,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--arch", type=int, default=90, help="--only compile: sm_ARCH")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes, 1 repeat (the CPU under the interpreter)")
     args = parser.parse_args()
@@ -322,7 +390,8 @@ def main() -> None:
           + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
           + f", torch {torch.__version__}, triton {triton.__version__}")
     for name, section in SECTIONS.items():
-        if (args.only is None or name in args.only) and name not in args.skip:
+        chosen = name in args.only if args.only else name not in NAMED_ONLY
+        if chosen and name not in args.skip:
             section(args)
 
 
