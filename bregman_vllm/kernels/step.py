@@ -39,6 +39,7 @@ recompiles.
 from __future__ import annotations
 
 import math
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -417,9 +418,9 @@ _WORKSPACES: dict[tuple, _Workspace] = {}
 
 def _workspace(n: int, blocks: int, width: int, dtype: torch.dtype, device: torch.device
                ) -> _Workspace:
-    """The step's scratch, kept per shape (the stream orders one step's use after the last's;
-    a handful of shapes in an engine, the oldest dropped past 16)."""
-    key = (n, blocks, width, dtype, device)
+    """The step's scratch, kept per shape and thread (the stream orders one step's use after
+    the last's; a handful of shapes in an engine, the oldest dropped past 16)."""
+    key = (n, blocks, width, dtype, device, threading.get_ident())
     space = _WORKSPACES.get(key)
     if space is None:
         def empty(*shape, kind=torch.float64):
