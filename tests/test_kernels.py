@@ -428,3 +428,26 @@ def test_bregman_decode_takes_the_kernels(monkeypatch):
     monkeypatch.setenv("BREGMAN_BACKEND", "cuda")
     with pytest.raises(ValueError, match="BREGMAN_BACKEND must be one of auto, triton, torch"):
         bregman_decode(probs, alpha=2.0, lam=0.01)
+
+
+def test_a_compile_failure_at_start_leaves_the_torch_step(monkeypatch, caplog):
+    """If the kernels cannot be compiled when the processor is built (an unknown GPU, a broken
+    Triton), the engine still starts: one warning, and the processor decodes with the torch
+    step (V2 by a plan), never compiling inside a step."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated compilation failure")
+
+    monkeypatch.setenv("BREGMAN_BACKEND", "triton")
+    monkeypatch.setattr(kernels, "INTERPRETED", False)  # (as on a GPU: warm up)
+    monkeypatch.setattr(kernels, "warm_up", broken)
+    launches = kernel_step.LAUNCHES[0]
+    with caplog.at_level("WARNING", logger="bregman_vllm.adapter"):
+        proc = _v2([NARROW["power 3"], None], 512, temperature=0.8)
+    assert proc.backend == "torch" and proc.table is None
+    assert any("failed to compile" in record.getMessage() for record in caplog.records)
+    logits = model_logits(2, 512, seed=13)
+    out = proc.apply(logits.clone(), _context([0, 1]))
+    want = decode_step(logits.double(), plan_of([NARROW["power 3"], None], 512, [0.8, 1.0]),
+                       logits=True, backend="torch")
+    torch.testing.assert_close(out.double(), want.out, rtol=0, atol=1e-5)
+    assert kernel_step.LAUNCHES[0] == launches

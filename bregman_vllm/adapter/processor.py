@@ -181,11 +181,23 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         self.last_step: StepResult | None = None
         self._reserve = self._reserve_memory(max_rows, vocab) if self.enabled else None
         if self.enabled and vocab and self.backend == "triton":
-            from .. import kernels
+            self._warm_up(vocab)
 
-            if not kernels.INTERPRETED:  # (the interpreter compiles nothing)
-                # Every kernel now, before vLLM profiles memory and serves: no step compiles.
-                kernels.warm_up(self.device, vocab)
+    def _warm_up(self, vocab: int) -> None:
+        """Every kernel now, before vLLM profiles memory and serves: no step compiles. If they
+        cannot be compiled here, the processor runs the torch step (one warning)."""
+        from .. import kernels
+
+        if kernels.INTERPRETED:  # (the interpreter compiles nothing)
+            return
+        try:
+            seconds = kernels.warm_up(self.device, vocab)
+        except Exception:
+            logger.warning("The Bregman step's Triton kernels failed to compile; this engine "
+                           "decodes with the torch step", exc_info=True)
+            self.backend, self.table = "torch", None
+        else:
+            logger.info("Bregman kernels compiled (or loaded) in %.1f s", seconds)
 
     def _reserve_memory(self, rows: int | None, vocab: int | None) -> torch.Tensor | None:
         """Hold the step's worst case until the first apply() (see the module docstring)."""
@@ -246,7 +258,7 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
             self.plan = self._make_plan(sorted(self.requests.items()), logits.shape[0],
                                         logits.shape[-1])
             self._stale = False
-        return self._decode(logits, self.plan)
+        return self._decode(logits, self.plan, self.backend)
 
     # ------------------------------------------------------------------ Model Runner V2
 
@@ -291,7 +303,7 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
 
             if kernels.usable(logits):
                 return self._apply_table(logits, ctx)
-        return self._apply_planned(logits, ctx)
+        return self._apply_planned(logits, ctx, self.backend)
 
     def _apply_table(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
         """V2 with the kernels: no plan, no Python loop over rows, no sync for bounded
@@ -323,8 +335,8 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         self.recorder.record_rows(step.k, modes, step.family_rows, step.exact_rows)
         return logits
 
-    def _apply_planned(self, logits: torch.Tensor, ctx: LogitsContext,
-                       backend: str | None = None) -> torch.Tensor:
+    def _apply_planned(self, logits: torch.Tensor, ctx: LogitsContext, backend: str
+                       ) -> torch.Tensor:
         """V2 by a plan of the step's row order (the torch step)."""
         layout = self._row_slots(logits, ctx)
         if self._stale or layout != self._layout:

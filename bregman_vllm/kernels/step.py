@@ -27,8 +27,9 @@ order:
    distributions (NaN, +inf, all -inf) and rows left to the exact path untouched.
 
 Four launches and no sync when every row's support fits the window (`core.rows.Layout.sync`
-False); otherwise the hand-off (`hand_off`) reads ``needs`` once (one sync) and runs the torch
-exact path (`core.exact.decode_exact`) on those rows, grouped by family on the host.
+False); otherwise the hand-off (`hand_off`) reads the flagged rows' slots once (one sync) and
+runs the torch exact path (`core.exact.decode_exact`) on those rows, grouped by family on the
+host.
 
 Specialization: each kernel is compiled per (candidate width K, logits or probabilities,
 in place), by `warm_up` at construction; row counts are grid sizes, the row -> slot mapping is
@@ -38,7 +39,6 @@ recompiles.
 
 from __future__ import annotations
 
-import math
 import threading
 from typing import NamedTuple
 
@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from ..core import exact
-from ..core.candidates import BLOCK, UNBOUNDED, log_smallest
+from ..core.candidates import BLOCK, UNBOUNDED, _smallest, log_smallest
 from ..core.families import Family
 from ..core.plan import WIDE_WINDOW, WINDOW, Plan
 from ..core.rows import FAMILIES, FAMILY_CODES, MODES, Layout, RowTable
@@ -453,11 +453,6 @@ def _identity(n: int, device: torch.device) -> Tensor:
     return mapping
 
 
-def _smallest(dtype: torch.dtype) -> float:
-    info = torch.finfo(dtype)
-    return math.nextafter(info.tiny * info.eps, 0.0)
-
-
 def decode(scores: Tensor, table: RowTable, layout: Layout, *, logits: bool,
            inplace: bool = False, mapping: Tensor | None = None) -> KernelStep:
     """Decode the rows of ``scores`` ([N, V], float32 / float16 / bfloat16) whose slot
@@ -515,7 +510,7 @@ def _write(scores: Tensor, out: Tensor, k: Tensor, space: _Workspace, width: int
 
 
 def hand_off(out: Tensor, scores: Tensor, k: Tensor, space: _Workspace, table: RowTable,
-             mapping: Tensor | None, width: int, *, logits: bool, scaled: bool,
+             mapping: Tensor, width: int, *, logits: bool, scaled: bool,
              inplace: bool) -> tuple[int, int]:
     """The rows the kernels flagged (``needs``) through the torch exact path: the step's one
     sync reads which rows and their slots, then on the host they are grouped by family and
