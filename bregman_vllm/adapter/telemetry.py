@@ -16,8 +16,9 @@ counted (`record_failure`), and a warning with the running count is logged at mo
 `WARNING_INTERVAL` seconds.
 
 **k* and the exact path, per step** (`StepRecorder.record`, called by the processor right after
-the core's step with the plan, the per-row k and the step's exact-path row count), with no
-host sync:
+the core's step with the plan, the per-row k and the step's exact-path row count; under Model
+Runner V2 with the kernels, which has no plan, `StepRecorder.record_rows` with each row's mode
+and the exact-path rows the step counted), with no host sync:
 
 1. once per plan, on the host: each row's mode (0 for rows of plain requests) and the number
    of rows whose family is decoded by the exact path;
