@@ -29,6 +29,8 @@ from vllm.v1.sample.logits_processor import BatchUpdate
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext
 
 from bregman_vllm import bregman_decode, bregman_decode_logits, kernels
+from bregman_vllm import engine_metrics as em
+from bregman_vllm.adapter import telemetry
 from bregman_vllm.adapter.processor import BregmanLogitsProcessor, request_params
 from bregman_vllm.core import exact
 from bregman_vllm.core.plan import plan_requests
@@ -358,7 +360,14 @@ def test_v2_slots_with_reordered_rows_and_draft_rows(counted):
     order = [3, 0, 5, 1, 4, 2]
     rows_of = [3, 0, 0, 0, 5, 1, 1, 1, 4, 2]  # slots 0 and 1 score three positions each
     logits = model_logits(len(rows_of), 1024, seed=10)
+    engine = telemetry._engine()
+    sums = {mode: engine.values.get(em.support_sum(mode), 0.0) for mode in em.MODES}
     out = proc.apply(logits.clone(), _context(order, rows_of))
+    # k* reaches the metrics per row and mode (by the device mapping: several rows a request).
+    k = proc.last_step.k
+    dual = torch.tensor([slot == 1 for slot in rows_of])
+    assert engine.values[em.support_sum("dual")] - sums["dual"] == float(k[dual].sum())
+    assert engine.values[em.support_sum("primal")] - sums["primal"] == float(k[~dual].sum())
     for row, slot in enumerate(rows_of):
         if configs[slot] is None:
             assert torch.equal(out[row], logits[row])
