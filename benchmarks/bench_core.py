@@ -32,13 +32,13 @@ each configuration of issue 10, one `bregman_decode_logits` call (the processor'
 * ``check``: the largest |q - q64| against the float64 exact path on the CPU (`core.exact`),
   and ``k`` whether every support size agrees.
 
-It needs torch alone (vLLM's top-p column is skipped without vLLM). ``--compile 1`` times the
-torch.compile'd fixed-shape groups (``BREGMAN_COMPILE=1``; compiled once in the warm-up),
-``--compile both`` eager and compiled side by side.
+It needs torch alone (vLLM's top-p column is skipped without vLLM). On CUDA the calls run the
+Triton kernels (``BREGMAN_BACKEND``'s default; `benchmarks/bench_triton.py` sets them beside the
+torch step); ``syncs`` / ``launch`` count the torch step's ops.
 
     python benchmarks/bench_core.py            # the full CPU table
     python benchmarks/bench_core.py --quick    # small sizes (smoke test)
-    python benchmarks/bench_core.py --device cuda --batch 64 256 --vocab 128256 --compile both
+    python benchmarks/bench_core.py --device cuda --batch 64 256 --vocab 128256
     python benchmarks/bench_core.py --only ratios --batch 64 --vocab 128256 --baseline 3ef72a5
     python benchmarks/bench_core.py --only extremes --extremes-shape 8x49152 --baseline d9c8b1c
 
@@ -246,17 +246,17 @@ def timed(fn: Callable[[], object], device: str, repeats: int) -> tuple[float, f
 def counts(fn: Callable[[], object]) -> tuple[int, int]:
     """(host syncs, launched ops) of one eager call in steady state (after a first call has
     made the cached constants, as in a serving engine)."""
-    previous = os.environ.get("BREGMAN_COMPILE")
-    os.environ["BREGMAN_COMPILE"] = "0"  # a dispatch mode sees eager ops only
+    previous = os.environ.get("BREGMAN_BACKEND")
+    os.environ["BREGMAN_BACKEND"] = "torch"  # a dispatch mode sees torch ops only
     try:
         fn()
         with DispatchCounter() as counter:
             fn()
     finally:
         if previous is None:
-            del os.environ["BREGMAN_COMPILE"]
+            del os.environ["BREGMAN_BACKEND"]
         else:
-            os.environ["BREGMAN_COMPILE"] = previous
+            os.environ["BREGMAN_BACKEND"] = previous
     return counter.syncs, counter.launches
 
 
@@ -300,8 +300,7 @@ def float64_check(logits: torch.Tensor, kwargs: dict) -> tuple[float, bool]:
     return float((q - want).abs().max()), bool(torch.equal(k.cpu(), k_want))
 
 
-def step_table(batch: int, vocab: int, device: str, repeats: int, compile_modes: list[str]
-               ) -> None:
+def step_table(batch: int, vocab: int, device: str, repeats: int) -> None:
     g = torch.Generator(device="cpu").manual_seed(0)
     scale = 3.0 + 4.0 * torch.rand(batch, 1, generator=g)
     logits = (torch.randn(batch, vocab, generator=g) * scale).to(device)
@@ -322,28 +321,17 @@ def step_table(batch: int, vocab: int, device: str, repeats: int, compile_modes:
         syncs, launches = counts(fn)
         print(f"{name:<34} {gpu * 1e3:8.3f} {wall * 1e3:8.3f} {gpu / base:6.2f} {syncs:5d} "
               f"{launches:6d} {peak_extra(fn, device) / 2**20:8.1f}")
-    previous = os.environ.get("BREGMAN_COMPILE")
-    try:
-        for name, kwargs in STEP_CONFIGS.items():
-            def call(kwargs=kwargs):
-                return bregman_decode_logits(logits, **kwargs)
+    for name, kwargs in STEP_CONFIGS.items():
+        def call(kwargs=kwargs):
+            return bregman_decode_logits(logits, **kwargs)
 
-            os.environ["BREGMAN_COMPILE"] = "0"  # counts, check and peak: the eager path
-            syncs, launches = counts(call)
-            error, same_k = float64_check(logits, kwargs)
-            peak = peak_extra(call, device)
-            for mode in compile_modes:
-                os.environ["BREGMAN_COMPILE"] = mode
-                gpu, wall = timed(call, device, repeats)
-                label = name + (" [compiled]" if mode == "1" else "")
-                print(f"{label:<34} {gpu * 1e3:8.3f} {wall * 1e3:8.3f} {gpu / base:6.2f} "
-                      f"{syncs:5d} {launches:6d} {peak / 2**20:8.1f} {error:8.1e} "
-                      f"{'ok' if same_k else 'NO':>3}")
-    finally:
-        if previous is None:
-            os.environ.pop("BREGMAN_COMPILE", None)
-        else:
-            os.environ["BREGMAN_COMPILE"] = previous
+        syncs, launches = counts(call)
+        error, same_k = float64_check(logits, kwargs)
+        peak = peak_extra(call, device)
+        gpu, wall = timed(call, device, repeats)
+        print(f"{name:<34} {gpu * 1e3:8.3f} {wall * 1e3:8.3f} {gpu / base:6.2f} "
+              f"{syncs:5d} {launches:6d} {peak / 2**20:8.1f} {error:8.1e} "
+              f"{'ok' if same_k else 'NO':>3}")
 
 
 # ----------------------------------------------------------------------------- extremes
@@ -425,16 +413,16 @@ def work(call: Callable[[], object]) -> tuple[int, int]:
     """The counted work of one call (`bregman_vllm.diagnostics.DispatchCounter`, eager path):
     elements (each launched op counted as the element count of its largest tensor) and launched
     ops. Load-independent, unlike the times beside it."""
-    previous = os.environ.get("BREGMAN_COMPILE")
-    os.environ["BREGMAN_COMPILE"] = "0"
+    previous = os.environ.get("BREGMAN_BACKEND")
+    os.environ["BREGMAN_BACKEND"] = "torch"
     try:
         with DispatchCounter() as counter:
             call()
     finally:
         if previous is None:
-            os.environ.pop("BREGMAN_COMPILE", None)
+            os.environ.pop("BREGMAN_BACKEND", None)
         else:
-            os.environ["BREGMAN_COMPILE"] = previous
+            os.environ["BREGMAN_BACKEND"] = previous
     return counter.elements, counter.launches
 
 
@@ -590,8 +578,6 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, 2 repeats")
     parser.add_argument("--step-shapes", nargs="*", default=["64x128256", "256x128256"],
                         help="shapes BxV of the GPU-readiness table (none: skip it)")
-    parser.add_argument("--compile", choices=["0", "1", "both"], default="0",
-                        help="GPU-readiness table: eager (0), compiled (1) or both")
     parser.add_argument("--only", choices=["ratios", "steps", "extremes", "sweep"],
                         help="run only the ratio tables, the GPU-readiness table, the "
                              "extreme-parameter table or the parameter sweep")
@@ -622,10 +608,9 @@ def main() -> None:
         sweep_table(args, device)
     if args.only not in ("ratios", "extremes", "sweep") and args.step_shapes:
         print("\nGPU readiness: one bregman_decode_logits call per configuration")
-        modes = {"0": ["0"], "1": ["1"], "both": ["0", "1"]}[args.compile]
         for shape in args.step_shapes:
             batch, vocab = (int(x) for x in shape.lower().split("x"))
-            step_table(batch, vocab, device, args.repeats, modes)
+            step_table(batch, vocab, device, args.repeats)
 
 
 def print_timings(timings: dict[str, float], shape: list[int], extra: dict[str, str] | None = None

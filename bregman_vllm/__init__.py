@@ -4,6 +4,7 @@ Models") as a vLLM sampling plugin.
 Layout:
     bregman_vllm.params     the one parameter model (pure Python; the server imports only this)
     bregman_vllm.core       the math core: primal/dual alpha maps, exact k* (imports only torch)
+    bregman_vllm.kernels    the CUDA step as Triton kernels (imported only when chosen)
     bregman_vllm.adapter    the vLLM V1 logits processor (thin adapter over the core)
 
 Public names are imported lazily so that ``import bregman_vllm.params`` does not import torch.

@@ -217,16 +217,3 @@ def _tensors(value: Any):
     elif isinstance(value, (tuple, list)):
         for item in value:
             yield from _tensors(item)
-
-
-def compiled_launches(function: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
-    """Run a ``torch.compile``d function once (compiling it now) and count the kernels its
-    compiled graphs launch per call (`bregman_vllm.core.step.count_kernels`). A
-    TorchDispatchMode cannot watch compiled code, so the count is read off the wrapper code
-    inductor generates. Returns (the function's result, the launch count)."""
-    from torch._inductor.utils import run_and_get_code
-
-    from .core.step import count_kernels
-
-    result, sources = run_and_get_code(function, *args, **kwargs)
-    return result, count_kernels(sources)

@@ -10,10 +10,18 @@ xdist the same modules are read in the one process.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # The Triton kernels' tests (tests/test_kernels.py) run them on CPU tensors under Triton's
+    # interpreter, which Triton reads when it is first imported (vLLM imports it): set before
+    # any test module is collected. On a GPU they run on the device.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 #: Modules with figures, and the label of each in the summary.
 _FIGURE_MODULES = {"reliability": "reliability", "router": "router",

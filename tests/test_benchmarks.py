@@ -7,6 +7,7 @@ current core (which would print new/old ratios of 1 and hide a regression), fail
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -110,3 +111,26 @@ def test_parameter_sweep_stays_within_the_stated_bound():
     # the sweep reaches the costly regime: k* in the thousands on some row of either kind
     assert max(int(row[6]) for row in rows) > 1000
     assert "bound M = " in done.stdout
+
+
+def test_triton_benchmark_runs_at_tiny_shapes():
+    """`bench_triton.py --smoke` (the GPU run's script, issue 24) at tiny shapes on the CPU under
+    Triton's interpreter: every section runs, every family agrees with the float64 torch step,
+    and the bounded configurations are four kernel launches and no sync."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_triton.py", "--smoke"], cwd=ROOT,
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    total = next(line for line in out.splitlines() if line.strip().startswith("in all:"))
+    same, rows = total.split()[2].split("/")
+    assert same == rows and int(rows) >= 14 * 3, total
+    assert "<- differs" not in out
+    for name in ("primal a=3 lam=1e-3 k_max=50", "top_k=50 a=3", "keep all (lam=0)"):
+        line = next(line for line in out.splitlines() if line.strip().startswith(name)
+                    and "launches" in line)
+        assert line.split("launches")[1].split(",")[0].strip() == "4 + 0", line
+        assert line.endswith("syncs 0"), line
+    for section in ("warm-up:", "one in-place step", "flat worst cases", "recompiles:"):
+        assert section in out, section

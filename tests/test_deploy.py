@@ -418,6 +418,10 @@ def test_image_runs_bregman_serve_as_non_root(dockerfile: Path) -> None:
     assert env["HOME"] != "/root"
     for name in ("HF_HOME", "VLLM_CACHE_ROOT"):
         assert PurePosixPath(env[name]).is_relative_to(env["HOME"]), name
+    if dockerfile == GPU_DOCKERFILE:
+        # The Bregman step's Triton kernels, compiled when the processor is built, persist in
+        # the vLLM cache volume: a restart loads them instead of compiling.
+        assert PurePosixPath(env["TRITON_CACHE_DIR"]).is_relative_to(env["VLLM_CACHE_ROOT"])
     assert dockerfile_single(dockerfile, "EXPOSE") == env["BREGMAN_PORT"]
     # The build fails if the package cannot start, or installs the wrong import names.
     install = next(run for run in dockerfile_values(dockerfile, "RUN") if "/tmp/src" in run)
@@ -438,7 +442,8 @@ def test_image_creates_every_directory_its_user_writes(
     assert image.owned.get(env["HOME"]) == user, f"HOME {env['HOME']} belongs to {user}"
     wanted = {str(PurePosixPath(env["HOME"]) / relative): why
               for relative, why in directories.items()}
-    wanted |= {env[name]: name for name in ("HF_HOME", "VLLM_CACHE_ROOT")}
+    wanted |= {env[name]: name for name in ("HF_HOME", "VLLM_CACHE_ROOT", "TRITON_CACHE_DIR")
+               if name in env}
     volumes = json.loads(dockerfile_single(dockerfile, "VOLUME"))
     wanted |= {path: "VOLUME" for path in volumes}
     problems = [f"{problem} ({why})" for path, why in sorted(wanted.items())

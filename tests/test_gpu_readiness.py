@@ -1,4 +1,6 @@
-"""GPU readiness of the decoding step, measured on the CPU (issue 10's targets).
+"""GPU readiness of the torch step (`core.step`: the CPU path, the reference of the CUDA kernels
+and the CUDA step with ``BREGMAN_BACKEND=torch``), measured on the CPU (issue 10's targets). The
+Triton kernels' own launches and syncs are counted in `tests/test_kernels.py`.
 
 A TorchDispatchMode (`bregman_vllm.diagnostics.DispatchCounter`) sees every ATen op a call
 dispatches: the host syncs it forces and the ops it launches (each non-view op is at least one
@@ -77,34 +79,6 @@ def test_one_call_at_most_one_sync_and_150_launches(logits, name, gpu_ops):
         assert counter.syncs == 0, dict(counter.sync_ops)
 
 
-#: Min / max reductions: inductor writes their masked lanes' value from the input dtype.
-_MIN_MAX = frozenset({"amin", "amax", "min", "max", "argmin", "argmax", "aminmax"})
-
-
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_no_integer_min_or_max_reduction_in_a_step(logits, name, gpu_ops):
-    """The window pass reduces no integer tensor by min or max (`numerics.first_true` takes
-    such minima in floating point): torch 2.11's inductor fails to write the Triton code of one
-    with masked lanes (seen compiling the step on an H200, docs/benchmarks.md), and the GPU
-    step then runs eagerly. Counted on the CPU, eager, as the compiled graph would trace it."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    found: list[str] = []
-
-    class Reductions(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            op = func._schema.name.split("::")[-1]
-            first = args[0] if args else None
-            if op in _MIN_MAX and isinstance(first, torch.Tensor) and first.dim() > 0 \
-                    and not first.dtype.is_floating_point:
-                found.append(f"{func} on {first.dtype} {tuple(first.shape)}")
-            return func(*args, **(kwargs or {}))
-
-    with Reductions():
-        bregman_decode_logits(logits, **CONFIGS[name])
-    assert not found, found
-
-
 def test_first_true_is_the_first_flagged_position_or_the_fill():
     from bregman_vllm.core.numerics import first_true
 
@@ -120,8 +94,8 @@ def test_first_true_is_the_first_flagged_position_or_the_fill():
 
 @pytest.fixture
 def gpu_ops(monkeypatch):
-    """The ops a CUDA step runs (`candidates.SOFTMAX_NORMALIZER`, `write.READ_WRITE_FILL`
-    name the CPU's faster choices), counted here on the CPU."""
+    """The ops the torch step runs on a GPU (`candidates.SOFTMAX_NORMALIZER`,
+    `write.READ_WRITE_FILL` name the CPU's faster choices), counted here on the CPU."""
     from bregman_vllm.core import candidates, write
 
     monkeypatch.setattr(candidates, "SOFTMAX_NORMALIZER", {})
@@ -132,12 +106,12 @@ def gpu_ops(monkeypatch):
 def test_one_step_is_three_passes_over_the_batch_and_no_intermediate(logits, name, gpu_ops):
     """Passes over the [64, 32000] batch (`DispatchCounter(full=...)`: ops that read a whole
     [n, V] tensor or write one; gathers and scatters of K entries per row not counted): the
-    step in place, as the processor runs it on CUDA, reads the logits twice (block maxima;
+    step in place, as the processor runs it, reads the logits twice (block maxima;
     block log-sum-exps, which give the log-normalizer without a probability tensor) and writes
     them once, and makes no [n, V] tensor. The public, out-of-place call makes its output, from
     one more read of the logits (rows that are not distributions keep their values). (One op,
-    aten::logsumexp's eager kernel still makes exp(x - max) inside; compiled it is one fused
-    reduction.)"""
+    aten::logsumexp's eager kernel still makes exp(x - max) inside; the Triton kernels' read
+    is one fused reduction.)"""
     from bregman_vllm.core.plan import make_plan
 
     kwargs = CONFIGS[name]
@@ -353,8 +327,8 @@ def test_steady_state_apply_plans_once_and_syncs_at_most_once(logits, interface,
             counter.launch_ops.most_common(8)
     else:
         # Six families in one batch: one joint pass (one softmax, one candidate set, one
-        # write), each family's formulas on its own rows. The compiled step is the way below
-        # 150 launches; this guards the eager path against regressions (470 today).
+        # write), each family's formulas on its own rows. The Triton kernels are the way below
+        # 150 launches (four); this guards the torch step against regressions (470 today).
         assert counter.launches <= 500, counter.launch_ops.most_common(8)
 
 
@@ -366,7 +340,7 @@ def test_steady_state_apply_is_three_passes_in_place(logits, interface, configs,
     place: three passes, no [n, V] tensor, on V1 and on Model Runner V2 (no gather, no
     rescaling of the logits: the temperature enters the log-normalizer only). In eager mode a
     temperature other than 1 costs the scaled logits inside that log-sum-exp: one more [n, V]
-    temporary, written and read (5 passes); compiled, the scaling is part of the reduction."""
+    temporary, written and read (5 passes); in the kernels the scaling is part of the read."""
     if interface == "v1":
         proc = v1_processor(configs)
         call = lambda scores: proc.apply(scores)  # noqa: E731
@@ -612,118 +586,3 @@ def test_processor_reserves_the_bound_until_its_first_step():
     assert proc._reserve is None
     cpu = BregmanLogitsProcessor(SimpleNamespace(**vars(config)), torch.device("cpu"), False)
     assert cpu._reserve is None  # the CPU runner does not profile memory this way
-
-
-# ----------------------------------------------------------------------------- compiled step
-
-
-@pytest.fixture
-def compiled(monkeypatch):
-    """BREGMAN_COMPILE=1 (torch.compile works on the CPU with fullgraph=True), restored after."""
-    monkeypatch.setenv("BREGMAN_COMPILE", "1")
-    step_module._compile_choice.cache_clear()
-    yield
-    step_module._compile_choice.cache_clear()
-
-
-def test_compile_defaults_to_cuda_only(monkeypatch):
-    monkeypatch.delenv("BREGMAN_COMPILE", raising=False)
-    step_module._compile_choice.cache_clear()
-    assert step_module.compile_enabled(torch.device("cuda")) is True
-    assert step_module.compile_enabled(torch.device("cpu")) is False
-    step_module._compile_choice.cache_clear()
-
-
-def test_compiled_passes_agree_and_the_mixed_batch_launches_few_kernels(compiled, monkeypatch):
-    """Compiled, a window pass is one graph per window class that decodes every family
-    (`step.universal_pass`), compiled by `step.warm_up` (the V2 processor's constructor calls
-    it; the V1 one here has no vocabulary size in its stand-in config), and one joint pass
-    takes every window group. On the processor's mixed batch, in steady state, the launches
-    are the eager glue around the graph (counted by the dispatch counter) plus the kernels the
-    graph launches (read off inductor's generated code at warm-up): at most 40, and the result
-    equals the eager step's."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    logits = realistic_logits()
-    monkeypatch.setenv("BREGMAN_COMPILE", "0")
-    step_module._compile_choice.cache_clear()
-    eager = v1_processor(MIXED_ALL).apply(logits.clone())
-    eager_v2_proc, ctx = v2_processor(MIXED_ALL)
-    eager_v2 = eager_v2_proc.apply(logits.clone(), ctx)
-    monkeypatch.setenv("BREGMAN_COMPILE", "1")
-    step_module._compile_choice.cache_clear()
-
-    assert step_module.warm_up("cpu", VOCAB)
-    used: list[tuple] = []
-    for key, graph in list(step_module._GRAPHS.items()):
-        def run(*args, _graph=graph, _key=key):
-            used.append(_key)
-            with _disable_current_modes():  # the graph's own kernels are counted at warm-up
-                return _graph(*args)
-        monkeypatch.setitem(step_module._GRAPHS, key, run)
-    v1 = v1_processor(MIXED_ALL)
-    v2, ctx = v2_processor(MIXED_ALL)
-    compiles = step_module.compile_count()
-    for proc, call, want in ((v1, lambda: v1.apply(logits.clone()), eager),
-                             (v2, lambda: v2.apply(logits.clone(), ctx), eager_v2)):
-        call()
-        used.clear()
-        with DispatchCounter() as counter:
-            out = call()
-        assert counter.syncs <= 1, (proc.interface, dict(counter.sync_ops))
-        # Six families, one pass (compiled, a joint takes every window group): one graph.
-        assert [key[3] for key in used] == [256], proc.interface
-        total = counter.launches + sum(step_module._KERNELS[key] for key in used)
-        assert total <= 40, (proc.interface, counter.launch_ops, step_module._KERNELS)
-        assert torch.equal(torch.isinf(out), torch.isinf(want)), proc.interface
-        torch.testing.assert_close(out.exp(), want.exp(), rtol=0, atol=1e-6)
-    assert step_module.compile_count() == compiles  # nothing compiled inside a step
-
-
-def test_no_batch_size_recompiles_after_the_warm_up(compiled, monkeypatch):
-    """After `warm_up` (batch sizes 1 and 2, the batch dimension dynamic), steps over batches
-    of 1 to 256 rows mixing every family compile nothing, and every window pass runs the
-    compiled graph (a recompilation would raise under ``fail_on_recompile`` and run eagerly
-    with a warning)."""
-    from bregman_vllm.adapter.processor import request_params
-    from bregman_vllm.core.plan import plan_requests
-
-    assert step_module.warm_up("cpu", VOCAB)
-    before = step_module.compile_count()
-    calls = {"graph": 0, "passes": 0}
-    for key, graph in list(step_module._GRAPHS.items()):
-        def run(*args, _graph=graph):
-            calls["graph"] += 1
-            return _graph(*args)
-        monkeypatch.setitem(step_module._GRAPHS, key, run)
-    logits = realistic_logits(256, VOCAB, seed=7)
-    for batch in range(1, 257):
-        requests = [(row, request_params(MIXED_ALL[row % len(MIXED_ALL)]))
-                    for row in range(batch) if MIXED_ALL[row % len(MIXED_ALL)]]
-        plan = plan_requests(requests, batch=batch, vocab=VOCAB, device="cpu")
-        alone, joints = plan.passes(compiled=True)
-        calls["passes"] += sum(1 for owner in (*alone, *joints)
-                               if owner.width <= step_module.WIDE_WINDOW)
-        step_module.decode_step(logits[:batch].clone(), plan, logits=True, inplace=True)
-    assert step_module.compile_count() == before, "a batch size recompiled"
-    assert calls["graph"] == calls["passes"] >= 256
-    assert "recompile" not in step_module._WARNED
-
-
-def test_a_compile_failure_at_start_falls_back_to_eager_with_one_warning(compiled, monkeypatch,
-                                                                          caplog):
-    def broken(graph, example_inputs):
-        raise RuntimeError("no compiler for this device")
-
-    monkeypatch.setattr(step_module, "_GRAPHS", {})
-    monkeypatch.setattr(step_module, "_WARNED", set())
-    monkeypatch.setattr(step_module, "_backend", broken)
-    with caplog.at_level("WARNING", logger="bregman_vllm.core.step"):
-        assert step_module.warm_up("cpu", 512) is False
-        assert step_module.warm_up("cpu", 512, widths=(step_module.WINDOW,)) is False
-        logits = realistic_logits(4, 512)
-        out = bregman_decode_logits(logits, alpha=3.0, lam=1e-2)
-    assert len([r for r in caplog.records if "torch.compile" in r.getMessage()]) == 1
-    monkeypatch.setenv("BREGMAN_COMPILE", "0")
-    step_module._compile_choice.cache_clear()
-    assert torch.equal(out, bregman_decode_logits(logits, alpha=3.0, lam=1e-2))

@@ -125,6 +125,16 @@ def test_engine_runs_the_expected_model_runner(llm):
         processors = runner.input_batch.logitsprocs.all
     ours = [p for p in processors if isinstance(p, BregmanLogitsProcessor) and p.enabled]
     assert len(ours) == 1 and ours[0].interface == RUNNER
+    if os.environ.get("BREGMAN_BACKEND") == "triton":
+        # (`test_processor_v2`'s run: Model Runner V2 decodes with the Triton kernels, by its
+        # per-slot columns, under Triton's interpreter)
+        from bregman_vllm.kernels import step as kernel_step
+
+        assert ours[0].backend == "triton" and (ours[0].table is not None) == (RUNNER == "v2")
+        before = kernel_step.LAUNCHES[0]
+        llm.generate(PROMPTS[:1], sampling(max_tokens=2, extra_args={"bregman_alpha": 1.5}),
+                     use_tqdm=False)
+        assert kernel_step.LAUNCHES[0] - before >= 2 * 4  # four kernels per step
 
 
 def test_seeded_requests_are_reproducible(llm):

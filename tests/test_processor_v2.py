@@ -10,9 +10,12 @@ that Triton is usable: a ``"cpu"`` entry in ``triton.backends.backends`` before 
 
 That must happen before anything imports vLLM, so it runs in a child process: this module is
 also the pytest plugin (``-p tests.test_processor_v2``) that sets it up there, and the child
-runs the behaviour tests of `tests/test_processor.py` with ``VLLM_USE_V2_MODEL_RUNNER=1``
-(`test_processor.test_engine_runs_the_expected_model_runner` makes sure the engine really is on
-V2 and the processor on its V2 interface), and the V2 sampler test below. Not run under V2,
+runs the behaviour tests of `tests/test_processor.py` with ``VLLM_USE_V2_MODEL_RUNNER=1`` and
+``BREGMAN_BACKEND=triton``: the processor decodes with the Triton kernels (`bregman_vllm.kernels`,
+by its per-slot columns and the step's row -> slot mapping, no plan), as Model Runner V2 runs it
+on CUDA (`test_processor.test_engine_runs_the_expected_model_runner` makes sure the engine really
+is on V2, the processor on its V2 interface and the kernels decode), and the V2 sampler test
+below. Not run under V2,
 because V2's own kernels fail under Triton's interpreter (and the engine then hangs): the
 request-top_k test and, in the mixed batch, the requests with penalties and a JSON grammar;
 nor the extreme-values test (minutes of interpreter). The min_p test is replaced by the
@@ -100,7 +103,9 @@ def test_min_p_acts_on_q_in_the_v2_sampler():
 
 @pytest.mark.engine
 def test_v1_behaviour_tests_pass_under_model_runner_v2():
-    env = {**os.environ, _CHILD: "1", "VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1"}
+    # With the Triton kernels (as V2 on CUDA runs the processor), under the interpreter.
+    env = {**os.environ, _CHILD: "1", "VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1",
+           "BREGMAN_BACKEND": "triton"}
     start = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "tests.test_processor_v2",

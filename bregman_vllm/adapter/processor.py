@@ -25,13 +25,18 @@ Two interfaces, one class (vLLM 0.32 loads processors from the same entry point 
   from is the same as under V1, except that min_p then acts on q (under V1 it acts on p, before
   Bregman decoding).
 
-State. The rows to decode and their parameters are a `plan` (`bregman_vllm.core.plan`), built
-on the host only when the batch changes: under V1 when a `BatchUpdate` adds, removes or moves a
-Bregman request; under V2 when ``add_request`` ran or the step's row order (the host-side
-``idx_mapping_np``) differs from the last one. Positions and per-row values reach the device by
-pinned, non-blocking copies. In steady state `apply()` only runs the core's step
-(`_decode`, the one place it runs), in place on vLLM's logits: three passes over them when every
-row is Bregman-decoded, plus a gather of the decoded rows when only some are.
+State. Under V1 the rows to decode and their parameters are a `plan`
+(`bregman_vllm.core.plan`), built on the host only when a `BatchUpdate` adds, removes or moves a
+Bregman request. Under V2 with the Triton kernels (``BREGMAN_BACKEND``: the default on CUDA)
+there is no plan: as vLLM's own stages do, each request's parameters live in per-slot device
+columns (`core.rows.RowTable`, ``max_num_reqs`` entries), written in ``add_request`` and copied
+to the device in ``apply_staged_writes``; `apply()` launches the kernels over
+``ctx.expanded_idx_mapping`` (draft rows of speculative decoding included), which skip the rows
+of plain requests themselves; the host only reads its own columns at ``idx_mapping_np`` (numpy,
+no sync) for the step's candidate width and whether a row may need the exact path. Under V2 on
+the torch step (a CPU) the plan is rebuilt when ``add_request`` ran or the row order changed.
+Positions and per-row values reach the device by pinned, non-blocking copies. In steady state
+`apply()` only runs the step, in place on vLLM's logits.
 
 Telemetry. After each `_decode`, ``last_step`` holds the step's `core.step.StepResult`: the
 support size k of every row (a device tensor, 0 for rows not decoded) and ``exact_rows``, the
@@ -45,9 +50,10 @@ If the step fails, the processor decodes each group, then each row, on its own, 
 that fail keep their logits; those rows are counted (`telemetry`: the Prometheus counter
 ``bregman_processor_failures_total`` and a rate-limited warning with the running count).
 
-Compilation. With ``BREGMAN_COMPILE`` on (the default on CUDA), the step's window passes are
-compiled when the processor is built (`core.step.warm_up`: dummy rows, a dynamic batch
-dimension); a decoding step never compiles.
+Warm-up. With the Triton kernels, every kernel variant a step runs is compiled when the
+processor is built (`bregman_vllm.kernels.warm_up`, on dummy rows of the engine's vocabulary);
+a decoding step never compiles (Triton's cache, ``TRITON_CACHE_DIR``, keeps them across
+restarts).
 
 Memory. On CUDA the processor reserves the step's worst-case extra memory
 (`core.step.step_memory_bound` for ``max_num_seqs`` rows) when it is built, which is before vLLM
@@ -75,7 +81,8 @@ except ImportError:  # pragma: no cover - older vLLM
     RunnerV2LogitsProcessor = ABC
 
 from ..core.plan import Plan, plan_requests
-from ..core.step import StepResult, compile_enabled, decode_step, step_memory_bound, warm_up
+from ..core.rows import Row, RowTable
+from ..core.step import StepResult, chosen_backend, decode_step, step_memory_bound
 from ..params import BregmanParamError, BregmanParams
 from . import telemetry
 
@@ -160,6 +167,11 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         self.recorder = telemetry.StepRecorder(vllm_config, self.device, self.interface)
         self.vocab = vocab
         self.enabled = _claim(vllm_config)
+        self.backend = chosen_backend(self.device)
+        #: V2 with the kernels: the per-slot parameter columns (no plan).
+        self.table: RowTable | None = None
+        if self.enabled and self.runner_v2 and self.backend == "triton" and vocab and max_rows:
+            self.table = RowTable(max_rows, self.device)
         self.requests: dict[int, BregmanParams] = {}  # batch row (V1) or request slot (V2)
         self.temperatures: dict[int, float] = {}  # V2: per slot
         self.plan: Plan | None = None
@@ -168,10 +180,24 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         #: The last step's result (see the module docstring); None before the first one.
         self.last_step: StepResult | None = None
         self._reserve = self._reserve_memory(max_rows, vocab) if self.enabled else None
-        if self.enabled and vocab and compile_enabled(self.device):
-            # Every compiled pass now, before vLLM profiles memory and serves: a step never
-            # compiles (and runs eagerly if compilation failed).
-            warm_up(self.device, vocab)
+        if self.enabled and vocab and self.backend == "triton":
+            self._warm_up(vocab)
+
+    def _warm_up(self, vocab: int) -> None:
+        """Every kernel now, before vLLM profiles memory and serves: no step compiles. If they
+        cannot be compiled here, the processor runs the torch step (one warning)."""
+        from .. import kernels
+
+        if kernels.INTERPRETED:  # (the interpreter compiles nothing)
+            return
+        try:
+            seconds = kernels.warm_up(self.device, vocab)
+        except Exception:
+            logger.warning("The Bregman step's Triton kernels failed to compile; this engine "
+                           "decodes with the torch step", exc_info=True)
+            self.backend, self.table = "torch", None
+        else:
+            logger.info("Bregman kernels compiled (or loaded) in %.1f s", seconds)
 
     def _reserve_memory(self, rows: int | None, vocab: int | None) -> torch.Tensor | None:
         """Hold the step's worst case until the first apply() (see the module docstring)."""
@@ -232,7 +258,7 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
             self.plan = self._make_plan(sorted(self.requests.items()), logits.shape[0],
                                         logits.shape[-1])
             self._stale = False
-        return self._decode(logits, self.plan)
+        return self._decode(logits, self.plan, self.backend)
 
     # ------------------------------------------------------------------ Model Runner V2
 
@@ -241,24 +267,81 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         wanted = self._wanted(sampling_params.extra_args) if self.enabled else None
         # Greedy requests are unaffected by an argmax-invariant processor: skip them.
         if wanted is not None and sampling_params.temperature >= _GREEDY_TEMPERATURE:
-            self.requests[req_idx] = wanted
-            self.temperatures[req_idx] = float(sampling_params.temperature)
-            self._stale = True
-            return True
+            row = self._row(wanted) if self.table is not None else None
+            if row is not None or self.table is None:
+                self.requests[req_idx] = wanted
+                self.temperatures[req_idx] = float(sampling_params.temperature)
+                self._stale = True
+                if self.table is not None:
+                    self.table.write(req_idx, row, float(sampling_params.temperature))
+                return True
         if self.requests.pop(req_idx, None) is not None:
             self.temperatures.pop(req_idx, None)
             self._stale = True
+        if self.table is not None:
+            self.table.write(req_idx, None)
         return False
 
+    def _row(self, params: BregmanParams) -> Row | None:
+        """The slot columns of a request (None, counted, if they cannot be made)."""
+        try:
+            return Row.of_request(params, self.vocab)
+        except Exception as error:  # valid parameters always classify; be defensive
+            telemetry.record_failure(1, self.interface, error)
+            return None
+
     def apply_staged_writes(self) -> None:
-        """V2 hook; the plan is rebuilt on the host at the next `apply()` when needed."""
+        """V2: the slots written by ``add_request`` reach the device (with the kernels; on the
+        torch step the plan is rebuilt at the next `apply()` when needed)."""
+        if self.table is not None:
+            self.table.flush()
 
     def _apply_slots(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-        """V2: rows are reordered between steps; the host-side mapping says which is which."""
+        """V2: rows are reordered between steps; the mapping says which is which."""
+        if self.table is not None:
+            from .. import kernels
+
+            if kernels.usable(logits):
+                return self._apply_table(logits, ctx)
+        return self._apply_planned(logits, ctx, self.backend)
+
+    def _apply_table(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
+        """V2 with the kernels: no plan, no Python loop over rows, no sync for bounded
+        supports; the slot columns decide everything on the device."""
+        from .. import kernels
+
+        table = self.table
+        assert table is not None
+        table.flush()  # (done by apply_staged_writes; here for callers that skip it)
+        self.last_step = None
+        layout = table.layout(ctx.idx_mapping_np)
+        if layout is None:
+            return logits
+        try:
+            step = kernels.decode(logits, table, layout, logits=True, inplace=True,
+                                  mapping=ctx.expanded_idx_mapping)
+        except Exception as error:
+            written = getattr(error, "bregman_uncertified_rows", None)
+            if written is not None:  # decoded; some rows not certified
+                telemetry.record_failure(written, self.interface, error)
+                return logits
+            # The kernels failed before writing: the torch step, by plan, row by row at worst.
+            return self._apply_planned(logits, ctx, backend="torch")
+        self.last_step = StepResult(step.out, step.k, step.exact_rows)
+        if len(ctx.idx_mapping_np) == logits.shape[0]:
+            modes = table.host["mode"][ctx.idx_mapping_np]
+        else:  # several rows per request: the modes by the device mapping, copied with k
+            modes = table.columns["mode"].index_select(0, ctx.expanded_idx_mapping)
+        self.recorder.record_rows(step.k, modes, step.family_rows, step.exact_rows)
+        return logits
+
+    def _apply_planned(self, logits: torch.Tensor, ctx: LogitsContext, backend: str
+                       ) -> torch.Tensor:
+        """V2 by a plan of the step's row order (the torch step)."""
         layout = self._row_slots(logits, ctx)
         if self._stale or layout != self._layout:
             self._plan_slots(layout, logits)
-        return self._decode(logits, self.plan)
+        return self._decode(logits, self.plan, backend)
 
     def _row_slots(self, logits: torch.Tensor, ctx: LogitsContext) -> tuple[int, ...]:
         mapping = ctx.idx_mapping_np
@@ -310,15 +393,16 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
                     good.append(row)
             return plan(good) if good else None
 
-    def _decode(self, logits: torch.Tensor, plan: Plan | None) -> torch.Tensor:
+    def _decode(self, logits: torch.Tensor, plan: Plan | None, backend: str | None = None
+                ) -> torch.Tensor:
         """The core's step on ``logits`` (in place; ``last_step`` holds its result); on an
-        exception, group by group, then row by row, so that only the rows that fail keep their
-        logits."""
+        exception, group by group, then row by row, with the torch step, so that only the rows
+        that fail keep their logits."""
         self.last_step = None
         if plan is None:
             return logits
         try:
-            step = decode_step(logits, plan, logits=True, inplace=True)
+            step = decode_step(logits, plan, logits=True, inplace=True, backend=backend)
         except Exception as error:
             written = getattr(error, "bregman_uncertified_rows", None)
             if written is not None:  # the batch is decoded; some rows not certified
@@ -335,7 +419,7 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         for group in plan.groups:
             single = plan.with_groups((group,))
             try:
-                step = decode_step(logits, single, logits=True, inplace=True)
+                step = decode_step(logits, single, logits=True, inplace=True, backend="torch")
                 self.recorder.record(single, step.k, step.exact_rows)
             except Exception:
                 self._decode_rows_alone(logits, group, plan)
@@ -350,7 +434,8 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
                 single = plan_requests([(position, params)], batch=plan.batch,
                                        vocab=plan.vocab, device=self.device)
                 single = plan.with_groups(single.groups)
-                step = decode_step(logits, single, logits=True, inplace=True)
+                step = decode_step(logits, single, logits=True, inplace=True,
+                                   backend="torch")
                 self.recorder.record(single, step.k, step.exact_rows)
             except Exception as error:
                 telemetry.record_failure(1, self.interface, error)

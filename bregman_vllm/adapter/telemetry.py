@@ -16,8 +16,9 @@ counted (`record_failure`), and a warning with the running count is logged at mo
 `WARNING_INTERVAL` seconds.
 
 **k* and the exact path, per step** (`StepRecorder.record`, called by the processor right after
-the core's step with the plan, the per-row k and the step's exact-path row count), with no
-host sync:
+the core's step with the plan, the per-row k and the step's exact-path row count; under Model
+Runner V2 with the kernels, which has no plan, `StepRecorder.record_rows` with each row's mode
+and the exact-path rows the step counted), with no host sync:
 
 1. once per plan, on the host: each row's mode (0 for rows of plain requests) and the number
    of rows whose family is decoded by the exact path;
@@ -140,7 +141,7 @@ def record_failure(rows: int, interface: str, error: BaseException) -> None:
 @dataclass
 class _Pending:
     k: torch.Tensor  # [N] on the host (pinned on CUDA; being copied until ``event``)
-    modes: np.ndarray  # [N] 0 = not a Bregman row, else 1 + index in MODES
+    modes: np.ndarray | torch.Tensor  # [N] 0 = not a Bregman row, else 1 + index in MODES
     event: Any  # torch.cuda.Event, or None when ``k`` is ready
 
 
@@ -222,7 +223,9 @@ class _Engine:
             if entry.event is not None and not entry.event.query():
                 return
             self.pending.popleft()
-            self._count(entry.k.numpy(), entry.modes)
+            modes = entry.modes
+            self._count(entry.k.numpy(), modes if isinstance(modes, np.ndarray)
+                        else modes.numpy())
 
     def _count(self, k: np.ndarray, modes: np.ndarray) -> None:
         chosen = (modes > 0) & (k > 0)
@@ -326,19 +329,36 @@ class StepRecorder:
                 return
             if plan is not self._plan:
                 self._prepare(plan)
-            if self.device.type == "cuda":
-                host = k.to("cpu", non_blocking=True)  # into pinned memory, asynchronously
-                event = torch.cuda.Event()
-                event.record()
-            else:
-                host, event = k, None
-            engine = _engine()
-            with engine.lock:
-                if self._family_rows:
-                    engine.add(em.exact_rows("family"), self._family_rows)
-                if exact_rows:
-                    engine.add(em.exact_rows("uncertified"), exact_rows)
-                engine.queue(_Pending(host, self._modes, event))
+            self._queue(k, self._modes, self._family_rows, exact_rows)
+
+    def record_rows(self, k: torch.Tensor, modes: np.ndarray | torch.Tensor, family_rows: int,
+                    exact_rows: int) -> None:
+        """Count one step of a plan-less processor (Model Runner V2 with the kernels):
+        ``modes`` per row (1 + index in MODES, 0 for rows of plain requests; on the host, or a
+        device tensor copied with ``k``), ``family_rows`` the rows of exact-path families."""
+        with _NeverRaise():
+            if self._counts is None:
+                self._counts = _tensor_parallel_rank() == 0
+            if self._counts:
+                self._queue(k, modes, family_rows, exact_rows)
+
+    def _queue(self, k: torch.Tensor, modes: np.ndarray | torch.Tensor, family_rows: int,
+               exact_rows: int) -> None:
+        if self.device.type == "cuda":
+            host = k.to("cpu", non_blocking=True)  # into pinned memory, asynchronously
+            if isinstance(modes, torch.Tensor):
+                modes = modes.to("cpu", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = k, None
+        engine = _engine()
+        with engine.lock:
+            if family_rows:
+                engine.add(em.exact_rows("family"), family_rows)
+            if exact_rows:
+                engine.add(em.exact_rows("uncertified"), exact_rows)
+            engine.queue(_Pending(host, modes, event))
 
     def _prepare(self, plan: Plan) -> None:
         """Per plan, on the host: each row's mode and the rows of exact-path families."""

@@ -7,8 +7,10 @@ Modules, in pipeline order:
     candidates  the top entries of each row and the deficits R_k from the scores themselves
                 (block maxima, block masses: no sort, no probability tensor)
     window      the fixed-shape k* search over a window of support sizes, with a certificate
+    rows        per-row parameters as device columns indexed by slot (the kernels' input)
     step        the decoding step (the hot path): three passes over the batch, fixed ops on
-                fixed shapes, at most one sync; compiled at start on CUDA
+                fixed shapes, at most one sync; on CUDA the Triton kernels of
+                `bregman_vllm.kernels` (``BREGMAN_BACKEND``)
     exact       value-dependent rounds for the rows the window cannot certify
     write       the one writer of decoded rows
     decode      the public functions

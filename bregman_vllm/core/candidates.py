@@ -65,8 +65,8 @@ def log_smallest(dtype: torch.dtype) -> float:
 
 #: Device types whose eager step normalizes logits with one softmax (a probability tensor: two
 #: more passes) instead of block log-sum-exps. On a CPU, aten::logsumexp's eager kernel (the
-#: maximum, then exp(x - max) into a temporary, then its sum) takes 2 to 4 times a softmax;
-#: compiled, the log-sum-exp is one fused reduction and is used everywhere.
+#: maximum, then exp(x - max) into a temporary, then its sum) takes 2 to 4 times a softmax
+#: (the CUDA step is the Triton kernels', `bregman_vllm.kernels`, one fused read).
 SOFTMAX_NORMALIZER: dict[str, bool] = {"cpu": True}
 
 
@@ -128,10 +128,9 @@ def candidates(scores: Tensor, width: int, *, logits: bool = False,
     """The ``width`` candidates of every row of ``scores`` ([n, V]): logits (``logits=True``;
     probabilities softmax(scale * scores)) or probabilities (entries <= 0 count as zero; rows
     are normalized by their sum). Rows that are not distributions (NaN, +inf, no mass) come out
-    with ``valid`` False. Logits on a device of `SOFTMAX_NORMALIZER`, eagerly: the probabilities
-    of one softmax, then as probabilities."""
-    if logits and SOFTMAX_NORMALIZER.get(scores.device.type) and \
-            not torch.compiler.is_compiling():
+    with ``valid`` False. Logits on a device of `SOFTMAX_NORMALIZER`: the probabilities of one
+    softmax, then as probabilities."""
+    if logits and SOFTMAX_NORMALIZER.get(scores.device.type):
         scaled = scores if scale is None else scores * scale.unsqueeze(-1)
         return candidates(torch.softmax(scaled, -1), width)
     values, index, others = _top(scores, width, logits, scale)
@@ -185,15 +184,6 @@ def select(cand: Candidates, where: Tensor, width: int) -> Candidates:
     return Candidates(x, cand.index, deficit, cand.valid, known, log_x)
 
 
-def cut(cand: Candidates, width: int) -> Candidates:
-    """The candidates of every row cut to the first ``width`` (`select` without the rows)."""
-    if width == cand.x.shape[-1]:
-        return cand
-    x, deficit = cand.x[:, :width], cand.deficit[:, :width]
-    return Candidates(x, cand.index[:, :width], deficit, cand.valid, _known(x, deficit),
-                      cand.log_x[:, :width])
-
-
 def take(cand: Candidates, rows: Tensor) -> Candidates:
     """The candidates of ``rows`` (a host-synced index of the exact path); no copy when that is
     every row."""
@@ -208,8 +198,6 @@ _LOWER: dict[tuple[int, torch.device], Tensor] = {}
 
 def _strictly_lower(size: int, device: torch.device) -> Tensor:
     """[size, size] float64 matrix with ones where row > column (made once per size)."""
-    if torch.compiler.is_compiling():  # a graph makes its own constants
-        return torch.ones(size, size, dtype=torch.float64, device=device).tril(-1)
     key = (size, torch.device(device))
     if key not in _LOWER:
         _LOWER[key] = torch.ones(size, size, dtype=torch.float64, device=device).tril(-1)
@@ -218,8 +206,6 @@ def _strictly_lower(size: int, device: torch.device) -> Tensor:
 
 def _arange(size: int, device: torch.device, dtype: torch.dtype = torch.long) -> Tensor:
     """``torch.arange(size)`` on ``device``, made once (constants are not rebuilt per step)."""
-    if torch.compiler.is_compiling():  # a graph makes its own constants
-        return torch.arange(size, device=device, dtype=dtype)
     key = (size, torch.device(device), dtype)
     cached = _ARANGE.get(key)
     if cached is None:

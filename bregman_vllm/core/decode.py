@@ -6,7 +6,8 @@ Pipeline of one call (`step` has the details):
    and group the rows by formula family (`families`), on the host;
 2. `step.decode_step`: candidates, the support size (fixed, or the adaptive k* over a fixed
    window of sizes), the alpha map on the support, written into zeros (probabilities) or -inf
-   (logits); uncertified rows go through the exact path (`exact`).
+   (logits); uncertified rows go through the exact path (`exact`). On CUDA tensors this is
+   four Triton kernels (`bregman_vllm.kernels`; ``BREGMAN_BACKEND``, `step.chosen_backend`).
 
 The primal problem is min_q D_phi(q, p) + lambda ||q||_0 and the dual one
 min_q D_phi(p, q) + lambda ||q||_0 (eqs. (2) and (3) of arXiv 2505.19371) with
@@ -26,7 +27,7 @@ from ..params import BregmanParamError, parse_mode
 from .exact import log_renorm
 from .generators import BregmanGenerator
 from .plan import Plan, make_plan
-from .step import compile_enabled, decode_step, warm_up
+from .step import decode_step
 
 Tensor = torch.Tensor
 
@@ -42,15 +43,11 @@ def _flatten(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _public_plan(scores: Tensor, alpha, lam, mode, k_max, top_k, generator=None, *,
-                 logits: bool) -> Plan:
+def _public_plan(scores: Tensor, alpha, lam, mode, k_max, top_k, generator=None) -> Plan:
     if scores.dim() == 0:
         raise BregmanParamError("probs", "must have at least one dimension (the vocabulary)")
-    plan = make_plan(mode, alpha, lam, top_k, k_max, batch_shape=scores.shape[:-1],
+    return make_plan(mode, alpha, lam, top_k, k_max, batch_shape=scores.shape[:-1],
                      vocab=scores.shape[-1], device=scores.device, generator=generator)
-    if compile_enabled(scores.device):  # compiled on the first call of a shape, not later
-        warm_up(scores.device, scores.shape[-1], dtype=scores.dtype, logits=logits)
-    return plan
 
 
 def bregman_decode(
@@ -92,7 +89,7 @@ def bregman_decode(
         >>> out.k.item(), [round(v, 4) for v in out.probs.tolist()]
         (3, [0.5167, 0.3167, 0.1667, 0.0])
     """
-    plan = _public_plan(probs, alpha, lam, mode, k_max, top_k, generator, logits=False)
+    plan = _public_plan(probs, alpha, lam, mode, k_max, top_k, generator)
     out, k, _ = decode_step(_flatten(probs), plan, logits=False)
     return BregmanOutput(out.reshape(probs.shape), k.reshape(probs.shape[:-1]))
 
@@ -113,14 +110,15 @@ def bregman_decode_logits(
     ``softmax`` of it is `bregman_decode(softmax(logits), ...).probs`. Rows that are all -inf or
     hold NaN are returned unchanged. With ``return_k=True`` returns ``(logits, k)``.
 
-    With Python numbers for every parameter this is one fixed sequence of ops with at most one
-    host sync: none for the closed-form alphas (primal 1, 3/2, 2, +-inf; dual 1, 2, +inf) with
-    a fixed ``top_k`` or a ``k_max`` that fits the window; one for the others (the iterative
-    alphas check convergence and near-ties of their fixed Newton steps there, whatever k).
+    With Python numbers for every parameter this is one fixed sequence of ops (on CUDA
+    tensors four Triton kernels) with at most one host sync: none when every support fits the
+    window (a fixed ``top_k`` or a ``k_max`` of at most 64, for every alpha with a
+    fixed-shape formula), one otherwise (the rows the window cannot certify, and alphas
+    without such a formula, go through the exact path).
     """
     if logits.dim() == 0:
         raise BregmanParamError("logits", "must have at least one dimension (the vocabulary)")
-    plan = _public_plan(logits, alpha, lam, mode, k_max, top_k, logits=True)
+    plan = _public_plan(logits, alpha, lam, mode, k_max, top_k)
     out, k, _ = decode_step(_flatten(logits), plan, logits=True)
     out = out.reshape(logits.shape)
     if return_k:

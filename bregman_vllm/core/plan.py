@@ -41,7 +41,7 @@ _WIDE_BELOW = {Family.KL: 5e-3, Family.THREE_HALVES: 5e-4, Family.SQUARE: 1e-4}
 #: The fields of `BregmanParams` the plan interprets itself (the family, the support sizes).
 _INTERPRETED = ("mode", "alpha", "lam", "top_k", "k_max")
 #: Every other field of the parameter model reaches the core as it is, per row, by name
-#: (`Group.values`, `exact.ExactPlan.values`, the compiled pass's columns), absent (None) as 0:
+#: (`Group.values`, `exact.ExactPlan.values`), absent (None) as 0:
 #: a new request field is read by the function that uses it, with no plumbing in between.
 ROW_FIELDS: tuple[str, ...] = tuple(
     spec.name for spec in fields(BregmanParams) if spec.name not in _INTERPRETED)
@@ -132,27 +132,25 @@ class Plan:
     temperature: Tensor | None = None  # 1 / scale, on the device
     derived: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def passes(self, compiled: bool = False) -> tuple[tuple[Group, ...], tuple[Joint, ...]]:
+    def passes(self) -> tuple[tuple[Group, ...], tuple[Joint, ...]]:
         """The groups decoded in a pass of their own, and the joint passes (`Joint`): window
         groups of one width class (up to `WINDOW` candidates, or up to `WIDE_WINDOW`), two or
-        more (eagerly, a wider candidate set would cost the narrower groups' rows more than
-        their own pass); ``compiled``, every window group of up to `WIDE_WINDOW` candidates in
-        one joint (one read of the batch for all; the extra candidates cost no pass). Made
-        once per plan and mode (per batch change in vLLM), with the device copies of the
+        more (a wider candidate set would cost the narrower groups' rows more than their own
+        pass). Made once per plan (per batch change in vLLM), with the device copies of the
         positions."""
-        cached = self.derived.get(compiled)
+        cached = self.derived.get("passes")
         if cached is not None:
             return cached
         by_width: dict[int, list[Group]] = {}
         for group in self.groups:
             if group.family in _WINDOW_FAMILIES and group.width <= WIDE_WINDOW:
-                width = 0 if compiled else WINDOW if group.width <= WINDOW else WIDE_WINDOW
+                width = WINDOW if group.width <= WINDOW else WIDE_WINDOW
                 by_width.setdefault(width, []).append(group)
         joints = tuple(_joint(members, self.batch) for members in by_width.values()
                        if len(members) >= 2)
         shared = {id(group) for joint in joints for group in joint.groups}
         alone = tuple(group for group in self.groups if id(group) not in shared)
-        self.derived[compiled] = (alone, joints)
+        self.derived["passes"] = (alone, joints)
         return alone, joints
 
     def with_groups(self, groups: tuple[Group, ...]) -> Plan:

@@ -33,23 +33,20 @@ No float64 [n, V] array is ever made. `step_memory_bound` gives the bound in byt
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
 import os
-import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from .candidates import UNBOUNDED, Candidates, candidates, cut, log_smallest, select
+from .candidates import UNBOUNDED, Candidates, candidates, log_smallest, select
 from .exact import MEMORY_BUDGET, decode_exact, exact_plan
 from .families import CLOSED_GAP_FAMILIES, ITERATIVE_FAMILIES, Family
 from .plan import (
-    DEFAULT_ROW_VALUES,
     ROW_DTYPES,
     ROW_FIELDS,
     WIDE_WINDOW,
@@ -111,11 +108,13 @@ class _Pass:
     exact_rows: int = 0  # rows a chunked pass handed to the exact path
 
 
-def decode_step(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = False
-                ) -> StepResult:
+def decode_step(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = False,
+                backend: str | None = None) -> StepResult:
     """Decode the rows of ``scores`` ([N, V] logits, or probabilities with ``logits=False``)
     that the plan's groups name; rows outside every group are left as they are (and get
-    k = 0). With ``inplace`` the result is written into ``scores``.
+    k = 0). With ``inplace`` the result is written into ``scores``. ``backend``: "triton" or
+    "torch" (default: `chosen_backend`); the kernels (`bregman_vllm.kernels`) give the same
+    supports and maps as this step (tests/test_kernels.py).
 
     Exceptions propagate. With ``inplace``, one raised by the exact path is raised after the
     other rows were written, and carries ``bregman_uncertified_rows`` (the rows the exact path
@@ -123,7 +122,11 @@ def decode_step(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = Fal
     window, or their own values for exact-family rows): ``scores`` is then decoded and must not
     be decoded again.
     """
-    alone, joints = plan.passes(_graphs_ready(scores, logits))
+    if (backend or chosen_backend(scores.device)) == "triton" and _kernels_take(scores, plan):
+        from ..kernels import decode_plan
+
+        return decode_plan(scores, plan, logits=logits, inplace=inplace)
+    alone, joints = plan.passes()
     passes = [_start(scores, owner, plan, logits, inplace) for owner in (*alone, *joints)]
     # The step's only host sync, for plans that can produce uncertified rows.
     counts = [p.window.needs.sum() for p in passes
@@ -201,7 +204,7 @@ def _start(scores: Tensor, owner: Group | Joint, plan: Plan, logits: bool, inpla
     chunk = max(1, MEMORY_BUDGET // (static.width * _WIDE_BYTES_PER_ENTRY))
     if source.shape[0] > chunk:
         return _chunked(owner, static, source, logits, scale, temperature, chunk, inplace)
-    window = _fast(source, static, owner.values, logits, scale, owner)
+    window = _Window(*fixed_shape_group(source, static, owner.values, logits, scale))
     return _Pass(owner, owner.rows, source, scale, temperature, window.k, window=window)
 
 
@@ -211,9 +214,6 @@ def _window_pass(source: Tensor, joint: Joint, logits: bool, scale: Tensor | Non
         joint.derived["static"] = _JointStatic(
             tuple(_Static.of(group) for group in joint.groups), joint.width)
         joint.derived["values"] = tuple(group.values for group in joint.groups)
-    compiled = _compiled_window(joint, source, logits, scale)
-    if compiled is not None:
-        return compiled
     static = joint.derived["static"]
     args = (joint.positions, joint.derived["values"], logits, scale)
     return _Window(*joint_groups(source, static, *args))
@@ -333,7 +333,7 @@ def _support_and_map(cand: Candidates, static: _Static, values: Mapping) -> Deco
     alpha, size = values["alpha"], values["size"]
     if static.fixed:
         # (at least 1: a row that is not a distribution has no positive entry, and is never
-        # written; at most the width: the compiled pass runs every family on every row)
+        # written)
         k = torch.minimum(cand.known, size).clamp(1, static.width) \
             if isinstance(size, Tensor) else cand.known.clamp(1, min(size, static.width))
         if family in ITERATIVE_FAMILIES:
@@ -536,281 +536,58 @@ def _keep_all(p2: Tensor) -> tuple[Tensor, Tensor]:
     return normalized, support
 
 
-# ----------------------------------------------------------------------------- compilation
-#
-# Compiled (``BREGMAN_COMPILE``), a window pass of up to `WIDE_WINDOW` candidates is one graph
-# per window class (`WINDOW`, `WIDE_WINDOW`) that decodes rows of every family at once
-# (`universal_pass`): the families are per-row values, not part of the graph, so the graphs of
-# an engine are known before any request arrives. `warm_up` compiles them on dummy rows (batch
-# sizes 1 and 2, the batch dimension dynamic) when the processor is built; a step only runs
-# graphs compiled before it, under ``fail_on_recompile``, and runs eagerly otherwise.
+# ----------------------------------------------------------------------------- backend
 
-#: (family, fixed, window) decoded by the compiled pass of each window class: every family;
-#: the iterative ones search `WINDOW` sizes (as eagerly), the closed forms the whole class.
-_VARIANTS: dict[int, tuple[tuple[Family, bool, int], ...]] = {
-    width: ((Family.KL, False, width), (Family.THREE_HALVES, False, width),
-            (Family.SQUARE, False, width), (Family.POWER, False, WINDOW),
-            (Family.DUAL_THREE_HALVES, False, WINDOW), (Family.DUAL_THREE, False, WINDOW),
-            (Family.KL, True, width), (Family.THREE_HALVES, True, width),
-            (Family.SQUARE, True, width), (Family.WATER, True, width),
-            (Family.ARGMAX, True, width), (Family.POWER, True, width),
-            (Family.DUAL_THREE_HALVES, True, width), (Family.DUAL_THREE, True, width))
-    for width in (WINDOW, WIDE_WINDOW)
-}
-#: Newton iterations of the compiled pass: each family's largest (`families.newton_iterations`).
-_COMPILED_ITERATIONS = {Family.POWER: 10, Family.DUAL_THREE_HALVES: 5, Family.DUAL_THREE: 7}
-#: An alpha in `families.POWER_RANGE` for the rows of other families (their POWER lanes are
-#: computed and discarded).
-_SAFE_ALPHA = 3.0
-_CODES = {family: code for code, family in enumerate(Family)}
-
-
-def universal_pass(rows: Tensor, width: int, logits: bool, scale: Tensor, family: Tensor,
-                   fixed: Tensor, flags: Tensor, values: dict[str, Tensor]):
-    """Step 1 for rows of any families of one window class, as one fixed-shape computation: one
-    candidate set, every family's support and map on every row (`_support_and_map`; the
-    families' own results are selected per row by ``family`` (codes of `Family`) and ``fixed``),
-    certificates where ``flags`` says the row's group may be uncertified (`_may_flag`). Per-row
-    tensors only (``values``: a column per name of `plan.Group.values`), so neither batch sizes
-    nor parameter values are part of the graph. Returns the fields of `_Window`."""
-    cand = candidates(rows, width, logits=logits, scale=scale)
-    n = rows.shape[0]
-    log_q = cand.x.new_full((n, width), -math.inf)
-    k = torch.zeros(n, dtype=torch.long, device=rows.device)
-    needs = torch.zeros(n, dtype=torch.bool, device=rows.device)
-    past = torch.zeros(n, dtype=torch.bool, device=rows.device)
-    narrow = cut(cand, WINDOW)
-    for member, is_fixed, window in _VARIANTS[width]:
-        chosen = (family == _CODES[member]) & (fixed == is_fixed)
-        static = _Static(member, is_fixed, True, False, window,
-                         _COMPILED_ITERATIONS.get(member, 0), True, True)
-        member_values = values if member != Family.POWER else \
-            {**values, "alpha": torch.where(chosen, values["alpha"], _SAFE_ALPHA)}
-        decoded = _support_and_map(narrow if window < width else cand, static, member_values)
-        short = width - decoded.log_q.shape[-1]
-        member_log_q = decoded.log_q if short == 0 else \
-            torch.nn.functional.pad(decoded.log_q, (0, short), value=-math.inf)
-        log_q = torch.where(chosen.unsqueeze(-1), member_log_q, log_q)
-        k = torch.where(chosen, decoded.k, k)
-        if decoded.uncertain is not None:
-            needs = needs | (chosen & decoded.uncertain)
-        if decoded.past is not None:
-            past = past | (chosen & decoded.past)
-    return (cand.index, log_q, k * cand.valid, cand.valid, needs & flags & cand.valid, past)
-
-
-def _universal_entry(rows, scale, family, fixed, flags, values):
-    return universal_pass(rows, WIDTH, LOGITS, scale, family, fixed, flags,  # noqa: F821
-                          values)
-
-
-_GRAPHS: dict[tuple, object] = {}  # (device type, dtype, vocab, width, logits) -> a pass
-_KERNELS: dict[tuple, int] = {}  # kernels one call of a graph launches (read at warm-up)
-_COMPILES = [0]  # graphs compiled by this process
+BACKENDS = ("auto", "triton", "torch")
 _WARNED: set[str] = set()
 
 
-def compile_enabled(device: torch.device) -> bool:
-    """``BREGMAN_COMPILE``: "auto" (the default) compiles the window passes on CUDA (on an H200
-    the eager step is host-bound, and a window graph cut the six-family step to 0.19x:
-    `benchmarks/bench_compile.py`) and runs them eagerly elsewhere (on this project's 2-core
-    CPU the compiled pass is not faster: `benchmarks/bench_core.py --compile both`); "1"
-    compiles everywhere, "0" never."""
-    return _compile_choice(os.environ.get("BREGMAN_COMPILE", "auto"), device.type)
+def chosen_backend(device: torch.device) -> str:
+    """``BREGMAN_BACKEND``: "auto" (the default) runs the Triton kernels (`bregman_vllm.kernels`:
+    four launches, no host plan, no sync for bounded supports) on CUDA tensors and this torch
+    step elsewhere (on a CPU the eager ops are the fast ones); "triton" runs the kernels on any
+    tensors (CPU tensors under Triton's interpreter: ``TRITON_INTERPRET=1`` set before Triton is
+    imported); "torch" runs this step. Returns "triton" or "torch"."""
+    return _backend_choice(os.environ.get("BREGMAN_BACKEND", "auto"), device.type)
 
 
 @functools.lru_cache(maxsize=16)
-def _compile_choice(setting: str, device_type: str) -> bool:
-    # Parsed once per (setting, device): the step asks at every pass of every call.
-    setting = setting.strip().lower()
-    if setting in ("1", "true", "yes", "on"):
-        return True
-    if setting in ("0", "false", "no", "off"):
-        return False
-    return device_type == "cuda"
+def _backend_choice(setting: str, device_type: str) -> str:
+    # Parsed once per (setting, device): the step asks at every call.
+    choice = setting.strip().lower()
+    if choice not in BACKENDS:
+        raise ValueError(f"BREGMAN_BACKEND must be one of {', '.join(BACKENDS)}, got "
+                         f"{setting!r}")
+    if choice == "auto":
+        choice = "triton" if device_type == "cuda" else "torch"
+    if choice == "triton" and not _triton_importable():
+        if setting.strip().lower() == "triton":
+            raise ValueError("BREGMAN_BACKEND=triton needs the triton package")
+        _warn_once("triton", "Triton is not installed: the Bregman step runs on torch ops")
+        return "torch"
+    return choice
 
 
-def compile_count() -> int:
-    """Graphs this process has compiled (warm-ups and any recompilation)."""
-    return _COMPILES[0]
+def _triton_importable() -> bool:
+    import importlib.util
 
-
-def _backend(graph, example_inputs):
-    """Inductor, counted (`compile_count`)."""
-    from torch._inductor.compile_fx import compile_fx
-
-    _COMPILES[0] += 1
-    return compile_fx(graph, example_inputs)
+    return importlib.util.find_spec("triton") is not None
 
 
 def _warn_once(kind: str, message: str) -> None:
     if kind not in _WARNED:
         _WARNED.add(kind)
-        logger.warning(message, exc_info=True)
+        logger.warning(message)
 
 
-def warm_up(device: torch.device | str, vocab: int, *, dtype: torch.dtype = torch.float32,
-            logits: bool = True, widths: tuple[int, ...] = (WINDOW, WIDE_WINDOW)) -> bool:
-    """Compile the window classes' passes for scores of ``vocab`` entries now, on dummy rows
-    (batch sizes 1 and 2, the batch dimension dynamic), so that no decoding step compiles.
-    Returns False when compilation failed (one warning; the step then runs eagerly)."""
-    device = torch.device(device)
-    for width in widths:
-        key = (device.type, dtype, vocab, width, logits)
-        if key in _GRAPHS or _GRAPHS.get("failed"):
-            continue
-        entry = types.FunctionType(
-            _universal_entry.__code__.replace(co_name=f"bregman_window_{width}"),
-            {**globals(), "WIDTH": width, "LOGITS": logits}, f"bregman_window_{width}")
-        graph = torch.compile(entry, fullgraph=True, backend=_backend)
-        try:
-            sources: list[str] = []
-            with _generated_code(sources):
-                for n in (2, 1):  # (sizes 0 and 1 are specialized: 1 has a graph of its own)
-                    inputs = _dummy(n, vocab, device, dtype, logits)
-                    if n > 1:
-                        for tensor in (*inputs[:-1], *inputs[-1].values()):
-                            torch._dynamo.mark_dynamic(tensor, 0)
-                    graph(*inputs)
-            kernels = count_kernels(sources[:1])
-        except Exception:  # a compiler that cannot handle this device: eager for good
-            _GRAPHS["failed"] = True
-            _warn_once("compile", "torch.compile of the Bregman step failed; it runs eagerly")
-            return False
-        _GRAPHS[key] = graph
-        _KERNELS[key] = kernels
-    return not _GRAPHS.get("failed")
+def _kernels_take(scores: Tensor, plan: Plan) -> bool:
+    """Whether the kernels decode this call (otherwise this step does): float64 scores, tiny
+    vocabularies and user generators stay here."""
+    if any(group.generator is not None for group in plan.groups):
+        return False
+    from ..kernels import usable
 
-
-@contextlib.contextmanager
-def _generated_code(sources: list[str]):
-    """Collect the wrapper code inductor generates meanwhile (as `torch._inductor.utils.
-    run_and_get_code` does, without resetting dynamo's caches)."""
-    try:
-        from torch._inductor.graph import GraphLowering
-    except ImportError:  # pragma: no cover - no inductor: nothing to count
-        yield
-        return
-    original = GraphLowering.save_output_code
-
-    def save(code: str) -> None:
-        sources.append(code)
-        if callable(original):
-            original(code)
-
-    GraphLowering.save_output_code = staticmethod(save)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        GraphLowering.save_output_code = original  # type: ignore[method-assign]
-
-
-def count_kernels(sources: list[str]) -> int:
-    """Kernels one call of compiled code launches, read off the wrapper code inductor
-    generated: its kernels (C++ on CPU, Triton on GPU) and the ops it leaves to ATen or a
-    library (``extern_kernels``, ``torch.ops.aten``)."""
-    import re
-
-    launches = 0
-    for source in sources:
-        if "def call(" not in source:
-            continue
-        for line in source[source.index("def call("):].splitlines():
-            text = line.strip()
-            if text.startswith(("#", "assert_")) or not text:
-                continue
-            if re.search(r"\bcpp_fused_\w+\(|\btriton_\w+\.run\(|\bextern_kernels\.\w+\(|"
-                         r"\btorch\.ops\.aten\.\w+", text):
-                launches += 1
-    return launches
-
-
-def _dummy(n: int, vocab: int, device: torch.device, dtype: torch.dtype, logits: bool
-           ) -> tuple:
-    g = torch.Generator().manual_seed(n)
-    rows = (torch.randn(n, vocab, generator=g) * 4).to(device, dtype)
-    if not logits:
-        rows = torch.softmax(rows.float(), -1).to(dtype)
-    long = dict(dtype=torch.long, device=device)
-    values = {"alpha": torch.full((n,), 1.5, dtype=torch.float64, device=device),
-              "lam": torch.full((n,), 0.01, dtype=torch.float64, device=device),
-              "size": torch.full((n,), UNBOUNDED, **long)}
-    for name, default in zip(ROW_FIELDS, DEFAULT_ROW_VALUES, strict=True):
-        values[name] = torch.full((n,), default, dtype=ROW_DTYPES[name], device=device)
-    return (rows, torch.ones(n, device=device), torch.zeros(n, **long),
-            torch.zeros(n, dtype=torch.bool, device=device),
-            torch.ones(n, dtype=torch.bool, device=device), values)
-
-
-def _graphs_ready(scores: Tensor, logits: bool) -> bool:
-    """Whether this step's window passes run compiled (then one joint pass takes every window
-    group: `plan.Plan.passes`)."""
-    return compile_enabled(scores.device) and \
-        (scores.device.type, scores.dtype, scores.shape[-1], WIDE_WINDOW, logits) in _GRAPHS
-
-
-def _compiled_window(owner: Group | Joint, rows: Tensor, logits: bool, scale: Tensor | None
-                     ) -> _Window | None:
-    """The pass through its window class's compiled graph, if one was compiled before this
-    step (never compiles here: a recompilation raises and the pass runs eagerly)."""
-    width = owner.width
-    if width > WIDE_WINDOW or not compile_enabled(rows.device):
-        return None
-    key = (rows.device.type, rows.dtype, rows.shape[-1],
-           WINDOW if width <= WINDOW else WIDE_WINDOW, logits)
-    graph = _GRAPHS.get(key)
-    if graph is None:
-        return None
-    family, fixed, flags, values, unit = _rowwise(owner, rows.device)
-    if scale is None:
-        scale = unit
-    try:
-        with torch.compiler.set_stance("fail_on_recompile"):
-            return _Window(*graph(rows, scale, family, fixed, flags, values))
-    except Exception:
-        _warn_once("recompile", "a compiled Bregman pass would have recompiled inside a "
-                   "decoding step; that pass runs eagerly")
-        return None
-
-
-def _rowwise(owner: Group | Joint, device: torch.device) -> tuple:
-    """Per-row family code, fixed flag and may-flag, a column per name of the groups'
-    ``values`` (`plan.Group.values`) and a unit scale of a pass's rows, for `universal_pass`:
-    made once per plan."""
-    cached = owner.derived.get("rowwise")
-    if cached is not None:
-        return cached
-    pairs = [(owner, None)] if isinstance(owner, Group) else \
-        list(zip(owner.groups, owner.positions, strict=True))
-    n = sum(group.count for group, _ in pairs)
-    names = tuple(pairs[0][0].values)
-    codes = torch.empty(n, dtype=torch.long, device=device)
-    fixed = torch.empty(n, dtype=torch.bool, device=device)
-    flags = torch.empty(n, dtype=torch.bool, device=device)
-    values = {name: torch.empty(n, dtype=ROW_DTYPES[name], device=device) for name in names}
-    for group, where in pairs:
-        flag = _may_flag(_Static.of(group))
-        columns = ((codes, _CODES[group.family]), (fixed, group.fixed), (flags, flag),
-                   *((values[name], group.values[name]) for name in names))
-        for column, value in columns:
-            value = torch.as_tensor(value, dtype=column.dtype, device=device).expand(
-                group.count)
-            if where is None:
-                column.copy_(value)
-            else:
-                column.index_copy_(0, where, value)
-    cached = owner.derived["rowwise"] = (codes, fixed, flags, values,
-                                         torch.ones(n, device=device))
-    return cached
-
-
-def _fast(rows: Tensor, static: _Static, values: Mapping, logits: bool,
-          scale: Tensor | None, owner: Group | None = None) -> _Window:
-    if owner is not None:
-        compiled = _compiled_window(owner, rows, logits, scale)
-        if compiled is not None:
-            return compiled
-    return _Window(*fixed_shape_group(rows, static, values, logits, scale))
+    return usable(scores)
 
 
 def step_memory_bound(batch: int, vocab: int, dtype: torch.dtype = torch.float32) -> int:

@@ -361,8 +361,6 @@ _TRIANGLES: dict[tuple[int, torch.device], Tensor] = {}
 
 def _triangle(window: int, device: torch.device) -> Tensor:
     """[window, window] float64 mask: row k - 1 keeps the first k entries (made once)."""
-    if torch.compiler.is_compiling():  # a graph makes its own constants
-        return torch.ones(window, window, dtype=torch.float64, device=device).tril()
     key = (window, torch.device(device))
     if key not in _TRIANGLES:
         _TRIANGLES[key] = torch.ones(window, window, dtype=torch.float64, device=device).tril()

@@ -55,7 +55,7 @@ def write_support(out: Tensor | None, index: Tensor, values: Tensor, fill: float
     assert keep is not None
     keep = keep.unsqueeze(-1)
     device = (out if out is not None else source).device
-    if READ_WRITE_FILL.get(device.type) and not torch.compiler.is_compiling():
+    if READ_WRITE_FILL.get(device.type):
         if fill == 0.0:  # probabilities: kept rows are finite, the others are multiplied by 1
             factor = (~keep).to(values.dtype)
             out = source * factor if out is None else out.mul_(factor)

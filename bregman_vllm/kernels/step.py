@@ -1,0 +1,648 @@
+"""The decoding step as four Triton kernels: no host plan, no host sync for bounded supports.
+
+The CUDA step of `bregman_vllm.core.step` (which stays the CPU path and the reference every
+kernel is tested against), shaped as vLLM's Model Runner V2 builds its own sampler
+(`vllm/v1/worker/gpu/sample/`): one short kernel per stage, one program per row (or per row and
+vocabulary chunk), each row's parameters read from device columns (`core.rows.RowTable`)
+through the step's row -> slot mapping, rows of plain requests skipped inside the kernels. In
+order:
+
+1. `_read_kernel` (the one read of the batch; row x vocabulary chunk): the maximum and the mass
+   (log-sum-exp of the scaled logits, or sum of the probabilities) of every block of `BLOCK`
+   entries;
+2. `_select_kernel` (a program per row): the row's log-normalizer from the block masses, then
+   its K candidates: the K blocks with the largest maxima hold the K largest entries; their
+   entries' order keys (`formulas.order_key`: value bits and index in one int64) go through
+   `tl.topk`, a chunk of blocks at a time; the mass of everything else from positive terms (the
+   other blocks' masses, the chosen blocks' other entries); x, log x, R_k and the positions
+   into a [n, K] scratch;
+3. `_decode_kernel` (a program per row): the row's family formulas (`formulas`): the support
+   size (fixed, or the adaptive k* over the window) and log T_k* on the candidates, the values
+   to write (T log q, or q), and the hand-off flags: ``needs`` (the exact path must decode the
+   row: k* past the window, a near-tie, an unconverged solve, the ``EXACT`` family, a fixed
+   size wider than the widest window) and ``low`` (a certified lower bound on its k*);
+4. `_write_kernel` (row x vocabulary chunk): -inf (or 0) off the support, the values on it, in
+   place on the logits (or into a new tensor: rows not decoded copied); keep-all rows
+   (lambda -> 0) shifted by T times their log-normalizer; rows not decoded, rows that are not
+   distributions (NaN, +inf, all -inf) and rows left to the exact path untouched.
+
+Four launches and no sync when every row's support fits the window (`core.rows.Layout.sync`
+False); otherwise the hand-off (`hand_off`) reads the flagged rows' slots once (one sync) and
+runs the torch exact path (`core.exact.decode_exact`) on those rows, grouped by family on the
+host.
+
+Specialization: each kernel is compiled per (candidate width K, logits or probabilities,
+in place), by `warm_up` at construction; row counts are grid sizes, the row -> slot mapping is
+always a tensor (the identity for a plan's table), strides are not specialized on: no batch
+recompiles.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ..core import exact
+from ..core.candidates import BLOCK, UNBOUNDED, _smallest, log_smallest
+from ..core.families import Family
+from ..core.plan import WIDE_WINDOW, WINDOW, Plan
+from ..core.rows import FAMILIES, FAMILY_CODES, MODES, Layout, RowTable
+from . import formulas as f
+from .formulas import (
+    DUAL_THREE,
+    DUAL_THREE_HALVES,
+    EXACT,
+    INTERPRET,
+    KEEP_ALL,
+    KL,
+    POWER,
+    SQUARE,
+    THREE_HALVES,
+    closed_map,
+    closed_search,
+    exp64,
+    iterative_fixed,
+    iterative_search,
+    key_index,
+    key_value,
+    known_count,
+    log64,
+    order_key,
+    shifted,
+    top_keys,
+)
+
+Tensor = torch.Tensor
+
+#: Blocks per tile of the read kernel ([TILE, BLOCK] entries at a time).
+TILE = 16
+#: Blocks per chunk of the candidate selection (CHUNK * BLOCK keys through one top-k; under
+#: the interpreter `formulas.rank_top`'s [N, N] comparison must stay within Triton's largest
+#: tensor, 2^20 elements).
+CHUNK = 16 if INTERPRET else 32
+#: Programs the read and write kernels aim for (a few per streaming multiprocessor).
+PROGRAMS = 1024
+#: Entries per program of the write kernel, at least.
+WRITE_CHUNK = 8192
+#: Score dtypes the kernels read (float64 scores take the torch step).
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class KernelStep(NamedTuple):
+    """What `decode` returns."""
+
+    out: Tensor  # [N, V] the decoded batch (``scores`` itself when in place)
+    k: Tensor  # [N] support sizes (0 for rows not decoded)
+    exact_rows: int  # rows the window could not certify, handed to the exact path
+    family_rows: int  # rows of the EXACT family and fixed sizes past the window: exact path
+
+
+# ----------------------------------------------------------------------------- 1. read
+
+
+@triton.jit(do_not_specialize=["stride"])
+def _read_kernel(scores_ptr, stride, vocab, blocks, map_ptr, family_ptr, scale_ptr,
+                 max_ptr, mass_ptr, LOGITS: tl.constexpr, TILE: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Block maxima and masses of one row's chunk of blocks (`candidates._top`'s reads 1 and
+    2 in one: `candidates._mass`)."""
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(map_ptr + row).to(tl.int64)
+    if tl.load(family_ptr + slot) == 0:
+        return
+    scale = tl.load(scale_ptr + slot)
+    per = tl.cdiv(blocks, tl.num_programs(1))
+    first = tl.program_id(1) * per
+    last = tl.minimum(first + per, blocks)
+    lanes = tl.arange(0, BLOCK)
+    for start in range(first, last, TILE):
+        block = start + tl.arange(0, TILE)
+        offsets = block[:, None] * BLOCK + lanes[None, :]
+        inside = (block[:, None] < last) & (offsets < vocab)
+        values = tl.load(scores_ptr + row * stride + offsets, mask=inside,
+                         other=float("-inf")).to(tl.float32)
+        top = tl.max(values, axis=1)
+        if LOGITS:
+            # log-sum-exp of the scaled entries (an all -inf block: -inf; NaN, +inf: NaN)
+            reference = top * scale
+            reference = tl.where(reference == float("-inf"), 0.0, reference)
+            mass = reference + tl.log(tl.sum(tl.exp(values * scale - reference[:, None]),
+                                             axis=1))
+        else:  # entries <= 0 count as zero (NaN stays: the row is not a distribution)
+            mass = tl.sum(tl.where(inside & ~(values < 0), values, 0.0), axis=1)
+        kept = block < last
+        tl.store(max_ptr + row * blocks + block, top, mask=kept)
+        tl.store(mass_ptr + row * blocks + block, mass, mask=kept)
+
+
+# ----------------------------------------------------------------------------- 2. candidates
+
+
+@triton.jit(do_not_specialize=["stride"])
+def _select_kernel(scores_ptr, stride, vocab, blocks, map_ptr, family_ptr, fixed_ptr,
+                   size_ptr, scale_ptr, max_ptr, mass_ptr, x_ptr, log_x_ptr, deficit_ptr,
+                   index_ptr, total_ptr, valid_ptr, LOGITS: tl.constexpr, K: tl.constexpr,
+                   KB: tl.constexpr, NBP: tl.constexpr, CHUNK: tl.constexpr,
+                   BLOCK: tl.constexpr, SMALLEST: tl.constexpr):
+    """One row's log-normalizer (or total mass) and its K candidates (`candidates.candidates`):
+    x (normalized probabilities, sorted, 0 below the score dtype's smallest value), log x,
+    R_(j+1) = tail + sum_(i>j) x_i from positive terms, positions; whether the row is a
+    distribution."""
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(map_ptr + row).to(tl.int64)
+    family = tl.load(family_ptr + slot)
+    if family == 0:
+        return
+    scale = tl.load(scale_ptr + slot).to(tl.float64)
+    listed = tl.arange(0, NBP)
+    inside = listed < blocks
+    block_max = tl.load(max_ptr + row * blocks + listed, mask=inside, other=float("-inf"))
+    if LOGITS:
+        block_mass = tl.load(mass_ptr + row * blocks + listed, mask=inside,
+                             other=float("-inf")).to(tl.float64)
+        top = tl.max(block_max, axis=0).to(tl.float64) * scale
+        reference = tl.where(tl.abs(top) < float("inf"), top, 0.0)
+        block_mass = tl.where(inside, exp64(block_mass - reference), 0.0)
+        total = reference + log64(tl.sum(block_mass, axis=0))
+        valid = tl.abs(total) < float("inf")
+    else:
+        block_mass = tl.load(mass_ptr + row * blocks + listed, mask=inside,
+                             other=0.0).to(tl.float64)
+        reference = tl.full((), 0.0, tl.float64)
+        total = tl.sum(block_mass, axis=0)
+        valid = (total > 0) & (total < float("inf"))
+    fixed = tl.load(fixed_ptr + slot) != 0
+    wide = fixed & (tl.load(size_ptr + slot) > K)
+    window = (family != KEEP_ALL) & (family != EXACT) & ~wide
+    if window & valid:
+        # The K largest entries lie in the K blocks with the largest maxima.
+        chosen = top_keys(order_key(block_max, listed), KB)
+        chosen_blocks = key_index(chosen)
+        outside = inside & (order_key(block_max, listed) < tl.min(chosen, axis=0))
+        tail = tl.sum(tl.where(outside, block_mass, 0.0), axis=0)
+        lanes = tl.arange(0, BLOCK)
+        # (distinct keys below every entry's, `formulas.order_key`, until the first chunk)
+        best = -9223372036854775807 + tl.arange(0, K).to(tl.int64)
+        for c in range(0, KB, CHUNK):
+            picked = tl.gather(chosen_blocks, c + tl.arange(0, CHUNK), 0)
+            offsets = picked[:, None] * BLOCK + lanes[None, :]
+            values = tl.load(scores_ptr + row * stride + offsets, mask=offsets < vocab,
+                             other=float("-inf")).to(tl.float32)
+            keys = top_keys(tl.reshape(order_key(values, offsets), [CHUNK * BLOCK]), K)
+            best = top_keys(tl.reshape(tl.join(best, keys), [2 * K]), K)
+        # The chosen blocks' other entries.
+        last = tl.min(best, axis=0)
+        for c in range(0, KB, CHUNK):
+            picked = tl.gather(chosen_blocks, c + tl.arange(0, CHUNK), 0)
+            offsets = picked[:, None] * BLOCK + lanes[None, :]
+            present = offsets < vocab
+            values = tl.load(scores_ptr + row * stride + offsets, mask=present,
+                             other=float("-inf")).to(tl.float32)
+            rest = present & (order_key(values, offsets) < last)
+            if LOGITS:
+                terms = tl.where(rest, tl.exp(values * scale.to(tl.float32)
+                                              - reference.to(tl.float32)), 0.0)
+            else:  # (entries <= 0 count as zero; NaN stays)
+                terms = tl.where(rest & ~(values < 0), values, 0.0)
+            tail += tl.sum(tl.sum(terms, axis=1).to(tl.float64), axis=0)
+        values = key_value(best).to(tl.float64)
+        if LOGITS:
+            scaled = values * scale
+            mass = tl.sum(exp64(scaled - reference), axis=0) + tail
+            total = reference + log64(mass)
+            log_x = scaled - total
+            x = exp64(log_x)
+            x = tl.where(x > SMALLEST, x, 0.0)
+            tail = tail / mass
+            valid = tl.abs(total) < float("inf")
+        else:
+            x = tl.where(values > 0, values, 0.0)
+            total = tl.sum(x, axis=0) + tail
+            x = x / total
+            tail = tail / total
+            log_x = log64(x)
+            valid = (total > 0) & (total < float("inf"))
+        positions = tl.arange(0, K)
+        deficit = tail + tl.cumsum(shifted(x, positions, K), 0, reverse=True)
+        where = row * K + positions
+        tl.store(x_ptr + where, x)
+        tl.store(log_x_ptr + where, log_x)
+        tl.store(deficit_ptr + where, deficit)
+        tl.store(index_ptr + where, key_index(best))
+    tl.store(total_ptr + row, total)
+    tl.store(valid_ptr + row, valid)
+
+
+# ----------------------------------------------------------------------------- 3. decode
+
+
+@triton.jit
+def _decode_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
+                   iterations_ptr, temperature_ptr, x_ptr, log_x_ptr, deficit_ptr, total_ptr,
+                   valid_ptr, values_ptr, k_ptr, mode_ptr, needs_ptr, flagged_ptr, low_ptr,
+                   shift_ptr, bound_ptr, LOGITS: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
+                   LOG_SMALLEST: tl.constexpr):
+    """One row's support size and map (`step._support_and_map`), the values to write and the
+    hand-off flags. ``mode``: 0 leave the row, 1 write the window's answer, 2 keep all
+    (lambda -> 0, `step._keep_all_start`: shift by T times the log-normalizer)."""
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(map_ptr + row).to(tl.int64)
+    family = tl.load(family_ptr + slot)
+    positions = tl.arange(0, K)
+    k = tl.full((), 0, tl.int64)
+    mode = tl.full((), 0, tl.int32)
+    needs = k > 0
+    low = k + 1
+    shift = tl.full((), 0.0, tl.float64)
+    bound = shift
+    log_q = tl.full([K], float("-inf"), tl.float64)
+    if family != 0:
+        fixed = tl.load(fixed_ptr + slot) != 0
+        size = tl.load(size_ptr + slot)
+        valid = tl.load(valid_ptr + row) != 0
+        temperature = tl.load(temperature_ptr + slot).to(tl.float64)
+        if family == KEEP_ALL:
+            if valid:
+                mode = tl.full((), 2, tl.int32)
+                total = tl.load(total_ptr + row)
+                if LOGITS:
+                    shift = total * temperature
+                    bound = (total + LOG_SMALLEST) * temperature
+                else:
+                    shift = total
+        elif (family == EXACT) | (fixed & (size > K)):
+            needs = valid
+        elif valid:
+            mode = tl.full((), 1, tl.int32)
+            alpha = tl.load(alpha_ptr + slot)
+            iterations = tl.load(iterations_ptr + slot)
+            where = row * K + positions
+            x = tl.load(x_ptr + where)
+            log_x = tl.load(log_x_ptr + where)
+            deficit = tl.load(deficit_ptr + where)
+            iterative = (family == POWER) | (family == DUAL_THREE_HALVES) | \
+                (family == DUAL_THREE)
+            certify = size > W
+            if fixed:
+                k = tl.minimum(known_count(x, deficit, positions, K), size)
+                k = tl.minimum(tl.maximum(k, 1), K)
+                if iterative:
+                    log_q, needs = iterative_fixed(family, x, deficit, alpha, k, iterations,
+                                                   certify, positions, K)
+                else:
+                    log_deficit = log64(f.at(deficit, positions, k - 1))
+                    log_q = closed_map(family, log_x, positions < k, log_deficit,
+                                       k.to(tl.float64), positions, K)
+            elif (family == KL) | (family == THREE_HALVES) | (family == SQUARE):
+                limit = tl.minimum(known_count(x, deficit, positions, K), size)
+                lam = tl.load(lam_ptr + slot)
+                k, log_q, needs = closed_search(family, x, log_x, deficit, lam, limit,
+                                                positions, K)
+                low = tl.where(needs, K, 1).to(tl.int64)
+            else:  # the iterative families search the first window only
+                near = tl.arange(0, W)
+                x_near = tl.load(x_ptr + row * K + near)
+                deficit_near = tl.load(deficit_ptr + row * K + near)
+                limit = tl.minimum(known_count(x_near, deficit_near, near, W), size)
+                lam = tl.load(lam_ptr + slot)
+                k, near_log_q, needs, past = iterative_search(
+                    family, x_near, deficit_near, alpha, lam, limit, iterations, certify, W)
+                log_q = tl.where(positions < W,
+                                 tl.gather(near_log_q, tl.minimum(positions, W - 1), 0),
+                                 float("-inf"))
+                low = tl.where(past, W, 1).to(tl.int64)
+            if LOGITS:
+                tl.store(values_ptr + row * K + positions, log_q * temperature)
+            else:
+                tl.store(values_ptr + row * K + positions, exp64(log_q))
+    tl.store(k_ptr + row, k)
+    tl.store(mode_ptr + row, mode)
+    tl.store(needs_ptr + row, needs)
+    tl.store(flagged_ptr + row, tl.where(needs, slot, -1).to(tl.int32))
+    tl.store(low_ptr + row, low)
+    tl.store(shift_ptr + row, shift)
+    tl.store(bound_ptr + row, bound)
+
+
+# ----------------------------------------------------------------------------- 4. write
+
+
+@triton.jit(do_not_specialize=["stride", "out_stride"])
+def _write_kernel(scores_ptr, out_ptr, stride, out_stride, vocab, index_ptr, values_ptr,
+                  k_ptr, mode_ptr, needs_ptr, shift_ptr, bound_ptr, IN_PLACE: tl.constexpr,
+                  SKIP_NEEDS: tl.constexpr, LOGITS: tl.constexpr, K: tl.constexpr,
+                  TILE: tl.constexpr):
+    """One row's chunk of the output (`write.write_support`, `step._finish`)."""
+    row = tl.program_id(0).to(tl.int64)
+    mode = tl.load(mode_ptr + row).to(tl.int32)
+    if SKIP_NEEDS:
+        mode = tl.where(tl.load(needs_ptr + row) != 0, 0, mode)
+    per = tl.cdiv(vocab, tl.num_programs(1))
+    first = tl.program_id(1) * per
+    last = tl.minimum(first + per, vocab)
+    lanes = tl.arange(0, TILE)
+    source = scores_ptr + row * stride
+    target = out_ptr + row * out_stride
+    if mode == 1:
+        fill = float("-inf") if LOGITS else 0.0
+        for start in range(first, last, TILE):
+            offsets = start + lanes
+            tl.store(target + offsets, tl.full([TILE], fill, tl.float32), mask=offsets < last)
+        tl.debug_barrier()  # the fill before the support's values, within the program
+        candidates = tl.arange(0, K)
+        index = tl.load(index_ptr + row * K + candidates)
+        values = tl.load(values_ptr + row * K + candidates)
+        tl.store(target + index, values, mask=(index >= first) & (index < last))
+    elif mode == 2:
+        shift = tl.load(shift_ptr + row).to(tl.float32)
+        bound = tl.load(bound_ptr + row)
+        count = tl.zeros([TILE], tl.int64)
+        for start in range(first, last, TILE):
+            offsets = start + lanes
+            present = offsets < last
+            values = tl.load(source + offsets, mask=present, other=float("-inf"))
+            values = values.to(tl.float32)
+            if LOGITS:
+                out = values - shift
+                count += (present & (values >= bound)).to(tl.int64)
+            else:
+                out = tl.where(values < 0, 0.0, values) / shift
+                count += (present & (out > 0)).to(tl.int64)
+            tl.store(target + offsets, out, mask=present)
+        tl.atomic_add(k_ptr + row, tl.sum(count, axis=0))
+    elif not IN_PLACE:  # (in place, a row left as it is is not touched)
+        for start in range(first, last, TILE):
+            offsets = start + lanes
+            present = offsets < last
+            tl.store(target + offsets, tl.load(source + offsets, mask=present), mask=present)
+
+
+# ----------------------------------------------------------------------------- host
+
+
+#: Kernel launches by this process (`_launch`), for tests and benchmarks.
+LAUNCHES = [0]
+
+
+def _launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
+    """Launch a kernel (counted: `LAUNCHES`)."""
+    LAUNCHES[0] += 1
+    kernel[grid](*args, **meta)
+
+
+class _Workspace(NamedTuple):
+    block_max: Tensor
+    block_mass: Tensor
+    x: Tensor
+    log_x: Tensor
+    deficit: Tensor
+    index: Tensor
+    total: Tensor
+    valid: Tensor
+    values: Tensor
+    mode: Tensor
+    needs: Tensor
+    flagged: Tensor  # [n] int32: the slot of a row the exact path must decode, else -1
+    low: Tensor
+    shift: Tensor
+    bound: Tensor
+
+
+_WORKSPACES: dict[tuple, _Workspace] = {}
+
+
+def _workspace(n: int, blocks: int, width: int, dtype: torch.dtype, device: torch.device
+               ) -> _Workspace:
+    """The step's scratch, kept per shape and thread (the stream orders one step's use after
+    the last's; a handful of shapes in an engine, the oldest dropped past 16)."""
+    key = (n, blocks, width, dtype, device, threading.get_ident())
+    space = _WORKSPACES.get(key)
+    if space is None:
+        def empty(*shape, kind=torch.float64):
+            return torch.empty(shape, dtype=kind, device=device)
+
+        space = _Workspace(
+            empty(n, blocks, kind=torch.float32), empty(n, blocks, kind=torch.float32),
+            empty(n, width), empty(n, width), empty(n, width),
+            empty(n, width, kind=torch.long), empty(n), empty(n, kind=torch.bool),
+            empty(n, width, kind=dtype), empty(n, kind=torch.int32),
+            empty(n, kind=torch.bool), empty(n, kind=torch.int32), empty(n, kind=torch.long),
+            empty(n), empty(n))
+        if len(_WORKSPACES) >= 16:
+            _WORKSPACES.pop(next(iter(_WORKSPACES)))
+        _WORKSPACES[key] = space
+    return space
+
+
+_IDENTITY: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def _identity(n: int, device: torch.device) -> Tensor:
+    """The mapping of a table whose slots are the rows (made once per batch size)."""
+    key = (n, device)
+    mapping = _IDENTITY.get(key)
+    if mapping is None:
+        if len(_IDENTITY) >= 1024:
+            _IDENTITY.clear()
+        mapping = _IDENTITY[key] = torch.arange(n, dtype=torch.int32, device=device)
+    return mapping
+
+
+def decode(scores: Tensor, table: RowTable, layout: Layout, *, logits: bool,
+           inplace: bool = False, mapping: Tensor | None = None) -> KernelStep:
+    """Decode the rows of ``scores`` ([N, V], float32 / float16 / bfloat16) whose slot
+    (``mapping[row]``, or the row itself) the table decodes; other rows are left as they are
+    (k = 0). ``layout``: what the step is specialized on (`RowTable.layout` of the step's
+    slots). Four launches; with ``layout.sync`` one sync and the exact path (`hand_off`).
+
+    Exceptions propagate; with ``inplace``, one raised by the exact path carries
+    ``bregman_uncertified_rows`` (those rows keep the window's uncertified answer), as the
+    torch step's (`core.step.decode_step`)."""
+    n, vocab = scores.shape
+    device = scores.device
+    width = layout.width
+    blocks = triton.cdiv(vocab, BLOCK)
+    listed = triton.next_power_of_2(blocks)
+    chosen = min(width, listed)
+    space = _workspace(n, blocks, width, scores.dtype, device)
+    out = scores if inplace else torch.empty((n, vocab), dtype=scores.dtype, device=device)
+    k = torch.empty(n, dtype=torch.long, device=device)
+    columns = table.columns
+    if mapping is None:
+        mapping = _identity(n, device)
+    splits = max(1, min(triton.cdiv(blocks, TILE), triton.cdiv(PROGRAMS, n)))
+    _launch(_read_kernel, (n, splits), scores, scores.stride(0), vocab, blocks, mapping,
+            columns["family"], columns["scale"], space.block_max, space.block_mass,
+            LOGITS=logits, TILE=TILE, BLOCK=BLOCK, num_warps=4)
+    _launch(_select_kernel, (n,), scores, scores.stride(0), vocab, blocks, mapping,
+            columns["family"], columns["fixed"], columns["size"], columns["scale"],
+            space.block_max, space.block_mass, space.x, space.log_x, space.deficit,
+            space.index, space.total, space.valid, K=width, KB=chosen, NBP=listed,
+            CHUNK=min(chosen, CHUNK), BLOCK=BLOCK, SMALLEST=_smallest(scores.dtype),
+            LOGITS=logits, num_warps=8)
+    _launch(_decode_kernel, (n,), mapping, columns["family"], columns["fixed"],
+            columns["size"], columns["alpha"], columns["lam"], columns["iterations"],
+            columns["temperature"], space.x, space.log_x, space.deficit, space.total,
+            space.valid, space.values, k, space.mode, space.needs, space.flagged, space.low,
+            space.shift, space.bound, K=width, W=WINDOW, LOG_SMALLEST=log_smallest(scores.dtype),
+            LOGITS=logits, num_warps=8)
+    _write(scores, out, k, space, width, logits, inplace, skip_needs=True)
+    if not layout.sync:
+        return KernelStep(out, k, 0, 0)
+    uncertified, family = hand_off(out, scores, k, space, table, mapping, width,
+                                   logits=logits, scaled=layout.scaled, inplace=inplace)
+    return KernelStep(out, k, uncertified, family)
+
+
+def _write(scores: Tensor, out: Tensor, k: Tensor, space: _Workspace, width: int,
+           logits: bool, inplace: bool, skip_needs: bool, mode: Tensor | None = None) -> None:
+    n, vocab = scores.shape
+    splits = max(1, min(triton.cdiv(vocab, WRITE_CHUNK), triton.cdiv(PROGRAMS, n)))
+    _launch(_write_kernel, (n, splits), scores, out, scores.stride(0), out.stride(0), vocab,
+            space.index, space.values, k, space.mode if mode is None else mode, space.needs,
+            space.shift, space.bound, IN_PLACE=inplace, SKIP_NEEDS=skip_needs, LOGITS=logits,
+            K=width, TILE=1024, num_warps=4)
+
+
+def hand_off(out: Tensor, scores: Tensor, k: Tensor, space: _Workspace, table: RowTable,
+             mapping: Tensor, width: int, *, logits: bool, scaled: bool,
+             inplace: bool) -> tuple[int, int]:
+    """The rows the kernels flagged (``needs``) through the torch exact path: the step's one
+    sync reads which rows and their slots, then on the host they are grouped by family and
+    decoded by `exact.decode_exact` from the scores (still as given: the write kernel left
+    them), ``low`` giving the certified lower bounds on k*. Returns (rows the window could not
+    certify, rows of the exact-path families). A device-side exact path replaces this
+    function without a sync."""
+    device = scores.device
+    flagged = space.flagged.cpu().numpy()  # the one sync
+    rows = np.flatnonzero(flagged >= 0)
+    if rows.size == 0:
+        return 0, 0
+    slots_of = mapping.long()
+    slots = flagged[rows]
+    host = table.host
+    families = host["family"][slots]
+    fixed = host["fixed"][slots]
+    modes = host["mode"][slots]
+    exact_family = families == FAMILY_CODES[Family.EXACT]
+    wide = (fixed != 0) & (host["size"][slots] > width)
+    columns = table.columns
+    alpha = columns["alpha"].index_select(0, slots_of)
+    lam = columns["lam"].index_select(0, slots_of)
+    size = columns["size"].index_select(0, slots_of)
+    is_fixed = columns["fixed"].index_select(0, slots_of) != 0
+    fixed_k = torch.where(is_fixed, size, 0)
+    cap = torch.where(is_fixed | (size >= UNBOUNDED), 0, size)
+    scale = columns["scale"].index_select(0, slots_of) if scaled else None
+    done = torch.zeros(scores.shape[0], dtype=torch.bool, device=device)
+    try:
+        for key in np.unique(families * 4 + fixed * 2 + (modes - 1)):
+            members = rows[(families * 4 + fixed * 2 + (modes - 1)) == key]
+            family = FAMILIES[int(key) // 4]
+            plan = exact.exact_plan(MODES[int(key) % 2], alpha, lam, fixed_k, cap, None,
+                                    family, None)
+            exact.decode_exact(out, k, scores, plan, logits=logits, scale=scale,
+                               rows=torch.from_numpy(members).to(device), low=space.low,
+                               done=done)
+    except Exception as error:
+        # The rows left keep the window's (uncertified) answer, as the torch step's.
+        left = space.needs & ~done
+        _write(scores, out, k, space, width, logits, inplace, skip_needs=False,
+               mode=torch.where(left, space.mode, 0))
+        if inplace:
+            error.bregman_uncertified_rows = int(left.sum())  # type: ignore[attr-defined]
+        raise
+    family_rows = int((exact_family | wide).sum())
+    return int(rows.size) - family_rows, family_rows
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+def decode_plan(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = False):
+    """`core.step.decode_step` through the kernels: the plan's rows as a table (slot = row;
+    made once per plan, and kept across plans of the same shared parameters, as the public
+    calls make one per call)."""
+    from ..core.step import StepResult
+
+    table, layout = _table_of(plan, scores.device)
+    result = decode(scores, table, layout, logits=logits, inplace=inplace)
+    return StepResult(result.out, result.k, result.exact_rows)
+
+
+_TABLES: dict[tuple, tuple[RowTable, Layout]] = {}
+
+
+def _table_of(plan: Plan, device: torch.device) -> tuple[RowTable, Layout]:
+    cached = plan.derived.get("table")
+    if cached is not None:
+        return cached
+    key = None
+    if plan.scale is None and len(plan.groups) == 1 and plan.groups[0].rows is None:
+        group = plan.groups[0]  # one parameter set for the whole batch
+        key = (group.family, group.fixed, group.mode, plan.batch, device,
+               tuple((name, tuple(values)) for name, values in group.host.items()))
+        cached = _TABLES.get(key)
+    if cached is None:
+        table = RowTable.of_plan(plan, device)
+        cached = (table, table.layout() or Layout(WINDOW, False, False))
+        if key is not None:
+            if len(_TABLES) >= 64:
+                _TABLES.pop(next(iter(_TABLES)))
+            _TABLES[key] = cached
+    plan.derived["table"] = cached
+    return cached
+
+
+def usable(scores: Tensor) -> bool:
+    """Whether the kernels take these scores: [N, V] of a dtype they read, with V at least
+    the widest window (under the interpreter, at most 1024 blocks: `CHUNK`)."""
+    vocab = scores.shape[-1]
+    return scores.dim() == 2 and scores.dtype in DTYPES and vocab >= WIDE_WINDOW and \
+        (not INTERPRET or vocab <= 1024 * BLOCK)
+
+
+# ----------------------------------------------------------------------------- warm-up
+
+
+def warm_up(device: torch.device | str, vocab: int, *, dtype: torch.dtype = torch.float32
+            ) -> float:
+    """Compile every kernel a processor's steps run (both windows; the write of the failure
+    path too) on two dummy rows of ``vocab`` logits, so that no decoding step compiles (on
+    the interpreter: runs them once). Returns the seconds it took."""
+    import time
+
+    from ..core.rows import Row
+    from ..params import BregmanParams
+
+    start = time.perf_counter()
+    device = torch.device(device)
+    table = RowTable(2, device)
+    table.write(0, Row.of_request(BregmanParams(alpha=1.5, lam=1e-2), vocab), 0.7)
+    table.write(1, Row.of_request(BregmanParams(alpha=3.0, lam=1e-3, k_max=50), vocab))
+    table.flush()
+    g = torch.Generator().manual_seed(0)
+    for width in (WINDOW, WIDE_WINDOW):
+        scores = (torch.randn(2, vocab, generator=g) * 4).to(device, dtype)
+        step = decode(scores, table, Layout(width, False, True), logits=True, inplace=True)
+        space = _workspace(2, triton.cdiv(vocab, BLOCK), width, dtype, device)
+        _write(scores, scores, step.k, space, width, True, True, skip_needs=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+__all__ = [
+    "LAUNCHES",
+    "KernelStep",
+    "decode",
+    "decode_plan",
+    "hand_off",
+    "usable",
+    "warm_up",
+]
