@@ -12,12 +12,13 @@ on h11 through `BoundedH11Protocol`, which adds, per connection:
    connection that waits for its client instead (no request yet, a head or a body still
    arriving, or idle between requests; never one whose request is being served or answered),
    the one that has waited longest, a body arriving fast last. A connection younger than
-   `EVICT_AFTER` is never closed for room, so that every client has the time to send its head:
-   when only young ones wait, the newcomer is let in beyond the cap (by at most `headroom`) and
-   room is made as soon as they are old enough. Only when no other connection waits for its
-   client (every one is being served), or beyond the headroom, is a newcomer answered 503 and
-   closed. So clients that hold connections open, however many and however fast they
-   reconnect, cannot lock out a client that sends its request;
+   `EVICT_AFTER` is never closed for room while there is headroom, so that every client has
+   the time to send its head: when only young ones wait, the newcomer is let in beyond the cap
+   (by at most `Room.headroom`, half the cap) and room is made as soon as they are old enough;
+   with no headroom left, the young give way too, oldest first. Only when no other connection
+   waits for its client (every one is being served) is a newcomer answered 503 and closed. So
+   clients that hold connections open, however many and however fast they reconnect, cannot
+   lock out a client that sends its request;
 4. a deadline for the whole body of each request (``body_deadline`` plus `BODY_GRACE` seconds,
    from the end of its head), also when the app answered without reading it: the middleware's
    own body deadline answers 408 first, this one closes what remains;
@@ -40,9 +41,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .errors import error_body
 from .settings import ServerSettings
 
-#: Seconds a connection is open before it may be closed to make room: time for any client to
-#: send its head (a client that sends its request at once is past its head within
-#: milliseconds, and then never closed for room while served).
+#: Seconds a connection must have waited for its client (since it opened, or since its last
+#: response) before it may be closed to make room while there is headroom: time for any client
+#: to send its head. A client that sends its request at once is past its head within
+#: milliseconds, and then never closed for room while it is served.
 EVICT_AFTER = 0.1
 #: A body arriving at least this fast (bytes per second since its head) is an upload, not a
 #: trickle: closed for room only when no slower connection waits.
@@ -87,12 +89,14 @@ class Room:
     def admit(self, newcomer: BoundedH11Protocol) -> bool:
         """Make room for ``newcomer``, just opened past the cap; False: refuse it."""
         victim, young = self._victim(newcomer.loop.time(), newcomer)
+        if victim is None and young is not None and self.open > self.cap + self.headroom:
+            victim = young  # no headroom left: even the young give way, oldest first
         if victim is not None:
             victim.close_for_room()
             return True
-        if young is None or self.open > self.cap + self.headroom:
-            return False  # every other connection is being served, or no headroom is left
-        self._settle_at(newcomer.loop, young + EVICT_AFTER)
+        if young is None:
+            return False  # every other connection is being served
+        self._settle_at(newcomer.loop, young.waiting_since + EVICT_AFTER)
         return True
 
     def settle(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -102,7 +106,7 @@ class Room:
             victim, young = self._victim(loop.time(), None)
             if victim is None:
                 if young is not None:
-                    self._settle_at(loop, young + EVICT_AFTER)
+                    self._settle_at(loop, young.waiting_since + EVICT_AFTER)
                 return
             victim.close_for_room()
 
@@ -111,14 +115,14 @@ class Room:
             self._settle = loop.call_at(when, self.settle, loop)
 
     def _victim(self, now: float, newcomer: BoundedH11Protocol | None
-                ) -> tuple[BoundedH11Protocol | None, float | None]:
-        """(the connection to close, or None; when the first of the waiting connections too
-        young to close began to wait, or None). The one to close waits for its client, began
-        to wait at least `EVICT_AFTER` ago and, of those, has waited longest; a body arriving
-        at `FAST_BODY` or more only when no other is left."""
+                ) -> tuple[BoundedH11Protocol | None, BoundedH11Protocol | None]:
+        """(the connection to close, or None; the first waiting connection too young to be
+        closed, or None). The one to close waits for its client, began to wait at least
+        `EVICT_AFTER` ago and, of those, has waited longest; a body arriving at `FAST_BODY`
+        or more only when no other is left."""
         slow: BoundedH11Protocol | None = None
         fast: BoundedH11Protocol | None = None
-        young: float | None = None
+        young: BoundedH11Protocol | None = None
         gone = []
         for connection in self.waiting:
             if connection is newcomer:
@@ -128,7 +132,7 @@ class Room:
             elif not connection.waits_for_client():
                 continue  # its answer is being written; listed again when it is complete
             elif now - connection.waiting_since < EVICT_AFTER:
-                young = connection.waiting_since  # and every one after it is younger
+                young = connection  # and every one after it is younger
                 break
             elif connection.body_rate(now) < FAST_BODY:
                 slow = connection
