@@ -175,6 +175,7 @@ def _form_has_bregman_field(raw: bytes, content_type: bytes) -> bool:
 
 # The rest of an unread body would be taken for the next request: close the connection.
 _CLOSE = {"Connection": "close"}
+_IDENTITY = (b"", b"identity")
 #: The methods HTTP defines (RFC 9110 and PATCH, RFC 5789): the middleware passes these, and any
 #: other the app's routes take, to the app; it answers every other method token itself.
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE",
@@ -188,7 +189,6 @@ def served_methods(app: Any) -> frozenset[str]:
         methods |= set(getattr(route, "methods", None) or ())
         methods |= served_methods(route)
     return frozenset(methods)
-_IDENTITY = (b"", b"identity")
 
 
 class BregmanMiddleware:
@@ -318,7 +318,7 @@ class BregmanMiddleware:
         route or layer of the app sees it: vLLM's HTTP metrics label requests by method, so
         every new token would add series to /metrics for good."""
         method = scope["method"]
-        allowed = ", ".join(sorted(self._served_methods))
+        allowed = ", ".join(sorted(self._served_methods)) or "none"
         headers = {"Allow": allowed, **(_CLOSE if _has_body(scope["headers"]) else {})}
         await APIError(405, f"Method {method[:40]!r} is not an HTTP method this server serves "
                        f"(its routes take {allowed}).", code="method_not_allowed",
