@@ -25,7 +25,7 @@ integers >= 1 or absent. `k_max` caps the support size in both the adaptive and 
 
 A new request field is written here and where it is used, nowhere in between: a `FieldSpec`
 (the OpenAPI schema and the docs/server.md table are generated from it), its key in
-`FIELD_KEYS`, and a `BregmanParams` attribute parsed in ``__post_init__``; the HTTP middleware
+`FIELD_KEYS`, its parser in `_PARSERS`, and a `BregmanParams` attribute; the HTTP middleware
 and the vLLM processor pass every key of `REQUEST_KEYS` on, and the core receives the value per
 row by name (`bregman_vllm.core.plan.ROW_FIELDS`: ``Group.values``, ``ExactPlan.values``, the
 compiled pass's columns) in the function that reads it (for a bound on the support size,
@@ -34,9 +34,10 @@ compiled pass's columns) in the function that reads it (for a bound on the suppo
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -57,15 +58,66 @@ FIELD_KEYS: dict[str, str] = {
     "k_max": "bregman_k_max",
 }
 REQUEST_KEYS: tuple[str, ...] = tuple(FIELD_KEYS.values())
+_FIELD_NAMES = frozenset(REQUEST_KEYS)
 
 
 class BregmanParamError(ValueError):
     """A Bregman parameter is out of range. ``field`` names the offending parameter."""
 
     def __init__(self, field: str, message: str) -> None:
+        field = field if len(field) <= 60 else field[:57] + "..."  # a key may be any length
         super().__init__(f"{field}: {message}")
         self.field = field
         self.reason = message
+
+
+# --- which keys are meant as Bregman fields ------------------------------------------------------
+#
+# The one matching rule, used wherever a request's keys are read (the server's top level and
+# extra arguments, the processor's ``SamplingParams.extra_args``): a key whose spelling, once
+# the spaces at its ends, the case, dashes and underscores are ignored, begins with "bregman" is
+# meant as a Bregman field. Unless it is one of `REQUEST_KEYS` exactly, it is refused, never
+# ignored: "BREGMAN_TOP_K", "bregman-top-k" and "bregmantopk" name bregman_top_k to a reader,
+# not to vLLM, which would drop them and sample plainly.
+
+_SEPARATORS = str.maketrans("", "", "-_")
+
+
+def folded_key(key: str) -> str:
+    """``key`` as the matching rule reads it: no spaces at its ends, lower case, no dashes or
+    underscores ("BREGMAN-top_k" -> "bregmantopk")."""
+    return key.strip().lower().translate(_SEPARATORS)
+
+
+_FOLDED_KEYS = {folded_key(key): key for key in REQUEST_KEYS}
+
+
+def is_bregman_key(key: object) -> bool:
+    """Whether a request key is meant as a Bregman field (exact or not): ignoring the spaces at
+    its ends, case, dashes and underscores, it begins with "bregman"."""
+    return isinstance(key, str) and folded_key(key).startswith("bregman")
+
+
+def unknown_field(key: str) -> BregmanParamError:
+    """The error for a key meant as a Bregman field that is not one: it names the key and,
+    where one is close (the same but for case, dashes, underscores and spaces, or a typo),
+    the field meant."""
+    folded = re.sub(r"[^0-9a-z]", "", folded_key(key))
+    meant = _FOLDED_KEYS.get(folded)
+    if meant is None:
+        close = difflib.get_close_matches(folded, _FOLDED_KEYS, n=1, cutoff=0.8)
+        meant = _FOLDED_KEYS[close[0]] if close else None
+    hint = f"did you mean `{meant}`? " if meant else ""
+    return BregmanParamError(key, f"unknown Bregman field; {hint}the fields are "
+                             + ", ".join(REQUEST_KEYS) + " (lower case, with underscores)")
+
+
+def check_keys(keys: Iterable[object]) -> None:
+    """Raise `unknown_field` for the first key meant as a Bregman field that is not one."""
+    for key in keys:
+        if key not in _FIELD_NAMES and is_bregman_key(key):
+            assert isinstance(key, str)
+            raise unknown_field(key)
 
 
 @dataclass(frozen=True)
@@ -244,7 +296,7 @@ _INFINITIES = {"inf": math.inf, "+inf": math.inf, "infinity": math.inf, "+infini
                "-inf": -math.inf, "-infinity": -math.inf}
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     """``repr(value)``, cut short: an error message never echoes a huge input."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
         return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
@@ -263,16 +315,16 @@ def _plain_number(value: Any, field: str, expected: str) -> float:
             return float(value)
         except OverflowError:
             raise BregmanParamError(
-                field, f"must be {expected}, got {_shown(value)}, which overflows a double"
+                field, f"must be {expected}, got {shown(value)}, which overflows a double"
             ) from None
     if isinstance(value, str):
         text = value.strip()
         if len(text) > 400 or not _NUMBER_TEXT.fullmatch(text):
-            raise BregmanParamError(field, f"must be {expected}, got {_shown(value)}")
+            raise BregmanParamError(field, f"must be {expected}, got {shown(value)}")
         number = float(text)
         if math.isinf(number):
             raise BregmanParamError(
-                field, f"must be {expected}, got {_shown(value)}, which overflows a double")
+                field, f"must be {expected}, got {shown(value)}, which overflows a double")
         return number
     raise BregmanParamError(field, f"must be {expected}, got {type(value).__name__}")
 
@@ -297,7 +349,7 @@ def parse_lambda(value: Any, field: str = "bregman_lambda") -> float:
     """A finite float >= 0 from a number or a plain ASCII decimal string."""
     number = _plain_number(value, field, "a number >= 0")
     if not math.isfinite(number) or number < 0:
-        raise BregmanParamError(field, f"must be a finite number in [0, inf), got {_shown(value)}")
+        raise BregmanParamError(field, f"must be a finite number in [0, inf), got {shown(value)}")
     return number
 
 
@@ -315,11 +367,11 @@ def parse_support_size(value: Any, field: str) -> int | None:
     elif isinstance(value, str):
         text = value.strip()
         if not _INTEGER_TEXT.fullmatch(text):
-            raise BregmanParamError(field, f"must be {allowed}, got {_shown(value)}")
+            raise BregmanParamError(field, f"must be {allowed}, got {shown(value)}")
         digits = text.lstrip("+").lstrip("0") or "0"
         value = int(digits) if len(digits) <= 19 else MAX_SUPPORT_SIZE + 1
     if not isinstance(value, int) or not 1 <= value <= MAX_SUPPORT_SIZE:
-        raise BregmanParamError(field, f"must be {allowed}, got {_shown(original)}")
+        raise BregmanParamError(field, f"must be {allowed}, got {shown(original)}")
     return value
 
 
@@ -329,6 +381,17 @@ def parse_mode(value: Any, field: str = "bregman_mode", allow_off: bool = True) 
         choices = " | ".join(f'"{m}"' for m in allowed)
         raise BregmanParamError(field, f"must be one of {choices}, got {value!r}")
     return value.strip().lower()
+
+
+_PARSERS = {"bregman_mode": parse_mode, "bregman_alpha": parse_alpha,
+            "bregman_lambda": parse_lambda, "bregman_top_k": parse_support_size,
+            "bregman_k_max": parse_support_size}
+
+
+def parse_field(key: str, value: Any) -> Any:
+    """One request field's value (``key`` in `REQUEST_KEYS`), parsed and normalized as
+    `BregmanParams` does it: "2", 2 and 2.0 are the same ``bregman_top_k``."""
+    return _PARSERS[key](value, key)
 
 
 def _implied_mode(default_mode: str, present: Mapping[str, Any]) -> str:
@@ -370,16 +433,10 @@ class BregmanParams:
     def __post_init__(self) -> None:
         """Validate and normalize every field (raises `BregmanParamError`): a `BregmanParams`
         is valid by construction, so what carries one never validates it again."""
-        mode = parse_mode(self.mode)
-        alpha = parse_alpha(self.alpha)
-        lam = parse_lambda(self.lam)
-        top_k = parse_support_size(self.top_k, "bregman_top_k")
-        k_max = parse_support_size(self.k_max, "bregman_k_max")
-        if mode != "off":
-            check_alpha(alpha, mode, fixed_k=top_k is not None)
-        for name, value in (("mode", mode), ("alpha", alpha), ("lam", lam), ("top_k", top_k),
-                            ("k_max", k_max)):
-            object.__setattr__(self, name, value)
+        for name, key in FIELD_KEYS.items():
+            object.__setattr__(self, name, parse_field(key, getattr(self, name)))
+        if self.mode != "off":
+            check_alpha(self.alpha, self.mode, fixed_k=self.top_k is not None)
 
     @property
     def enabled(self) -> bool:
@@ -394,9 +451,12 @@ class BregmanParams:
         """Parse the ``bregman_*`` keys of a request (other keys are ignored).
 
         Returns None when the mapping has no bregman key and there are no defaults (the request
-        is left untouched). A key that is present but ``None`` counts as absent.
+        is left untouched). A key that is present but ``None`` counts as absent. A key meant as
+        a Bregman field that is not one (`check_keys`: ``"BREGMAN_TOP_K"``, ``"bregman_topk"``)
+        raises `BregmanParamError`.
         """
         values = values or {}
+        check_keys(values)
         present = {key: values[key] for key in REQUEST_KEYS if values.get(key) is not None}
         if not present and defaults is None:
             return None

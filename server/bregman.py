@@ -5,10 +5,24 @@ go depends on the route (`bregman_server.routes`): vLLM's ``vllm_xargs`` (OpenAI
 requests, which vLLM copies into ``SamplingParams.extra_args``), or ``sampling_params.extra_args``
 (token-in/token-out generation).
 
-Precedence, lowest first: the server-wide defaults, the ``bregman_*`` keys of the request's own
-extra arguments, the top-level ``bregman_*`` fields. The merged values are validated with the
-shared parameter model (`bregman_vllm.params`), so the server refuses exactly what the vLLM
-processor would refuse, with the same message. Everything else in the body is left untouched.
+A request may write each field at the top level or in its own extra arguments, on top of the
+server-wide defaults. No field is ever dropped in silence: each is honoured or refused with a
+400 naming it, wherever it is written.
+
+* A key meant as a Bregman field that is not one exactly (``"BREGMAN_TOP_K"``,
+  ``"bregman-top-k"``, ``"bregman_topk"``; `bregman_vllm.params.check_keys`, the one matching
+  rule) is refused at the top level and in the extra arguments alike.
+* The two places must agree: a field written in both with different values, or a
+  ``"bregman_mode": "off"`` in one place beside Bregman fields in the other (which it would
+  switch off), is a 400 naming both places (`_check_agree`).
+* Bregman keys in a top-level object vLLM never reads for this route (the extra arguments'
+  name written differently, ``VLLM_XARGS``; the openai SDK's ``extra_body`` sent as a field;
+  ``vllm_xargs`` where the route reads ``sampling_params.extra_args``) are refused
+  (`_stray_holder`).
+
+The merged values are validated with the shared parameter model (`bregman_vllm.params`), so the
+server refuses exactly what the vLLM processor would refuse, with the same message. Everything
+else in the body is left untouched.
 
 JSON has no infinity, but Python's encoder (and so lm-evaluation-harness) writes
 ``float("inf")`` as the bare token ``Infinity``: it is accepted as the value of
@@ -19,9 +33,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from bregman_vllm.params import REQUEST_KEYS, BregmanParamError, BregmanParams
+from bregman_vllm.params import (
+    REQUEST_KEYS,
+    BregmanParamError,
+    BregmanParams,
+    check_keys,
+    folded_key,
+    is_bregman_key,
+    parse_field,
+    shown,
+)
 
 from .routes import VLLM_XARGS, Target
+
+#: Top-level objects whose Bregman keys vLLM would never read unless the route reads them
+#: there: names of extra arguments (``vllm_xargs``, ``extra_args``) and the openai SDK's
+#: ``extra_body``, in any case, with or without dashes and underscores.
+_HOLDER_NAMES = frozenset({"vllmxargs", "extraargs", "extrabody"})
 
 
 def apply_bregman(body: dict[str, Any], defaults: BregmanParams | None,
@@ -37,14 +65,18 @@ def apply_bregman(body: dict[str, Any], defaults: BregmanParams | None,
     * a disabled result ("off", explicitly or by default) removes every ``bregman_*`` key from
       them, so an explicit "off" also beats a server default.
 
-    Raises `BregmanParamError` (``.field`` names the parameter) for invalid values.
+    Raises `BregmanParamError` (``.field`` names the parameter) for invalid values, for keys
+    meant as Bregman fields that are not ones, and for a request whose two places disagree.
     """
+    check_keys(body)
+    stray = _stray_holder(body, target)
+    if stray is not None:
+        holder_name, key = stray
+        raise BregmanParamError(
+            f"{holder_name}.{key}", f"vLLM does not read {holder_name!r} on this route, so the "
+            f"field would be ignored: send it at the top level or in {'.'.join(target)}")
     top: dict[str, Any] = {}
     changed = False
-    for key in body:
-        if isinstance(key, str) and key.startswith("bregman_") and key not in REQUEST_KEYS:
-            raise BregmanParamError(key, "unknown Bregman field; the fields are "
-                                    + ", ".join(REQUEST_KEYS))
     for key in REQUEST_KEYS:
         if key in body:
             changed = True
@@ -60,15 +92,19 @@ def apply_bregman(body: dict[str, Any], defaults: BregmanParams | None,
     xargs = holder.get(name) if holder is not None else None
     if xargs is not None and not isinstance(xargs, dict):
         raise BregmanParamError(".".join(target), "must be an object (a JSON dictionary)")
-    from_xargs = {key: xargs[key] for key in REQUEST_KEYS if xargs and key in xargs}
+    from_xargs: dict[str, Any] = {}
+    if xargs:
+        check_keys(xargs)
+        from_xargs = {key: xargs[key] for key in REQUEST_KEYS if xargs.get(key) is not None}
 
     if not top and not from_xargs and (defaults is None or not defaults.enabled):
         return "off", changed  # the fast path: nothing to do
 
+    _check_agree(top, from_xargs, ".".join(target))
     params = BregmanParams.from_mapping({**from_xargs, **top}, defaults=defaults)
     if params is None or not params.enabled:
-        if from_xargs:
-            assert holder is not None and xargs is not None
+        if xargs and any(key in xargs for key in REQUEST_KEYS):
+            assert holder is not None
             holder[name] = {k: v for k, v in xargs.items() if k not in REQUEST_KEYS}
         return "off", True
     if holder is None:
@@ -80,11 +116,59 @@ def apply_bregman(body: dict[str, Any], defaults: BregmanParams | None,
     return params.mode, True
 
 
-def refuse_bregman_fields(body: dict[str, Any], route: str, honoured: str) -> None:
-    """A 400 naming the first top-level ``bregman_*`` field of a route that cannot honour it."""
-    for key in body:
-        if isinstance(key, str) and key.startswith("bregman_"):
+def _check_agree(top: dict[str, Any], xargs: dict[str, Any], where: str) -> None:
+    """A 400 unless the top level and the extra arguments (``where``) agree: each field given
+    in both has the same value in both (as parsed: 2, "2" and 2.0 agree), and neither place
+    says ``"bregman_mode": "off"`` beside Bregman fields in the other, which it would switch
+    off."""
+    for key in REQUEST_KEYS:
+        if key in top and key in xargs and parse_field(key, top[key]) != parse_field(
+                key, xargs[key]):
             raise BregmanParamError(
-                key, f"Bregman fields are not supported on {route}; send them to {honoured} "
-                "(or in the route's own vllm_xargs / sampling_params.extra_args, which vLLM "
-                "validates)")
+                key, f"given twice with different values: {shown(top[key])} at the top level "
+                f"and {shown(xargs[key])} in {where}; send it once")
+    top_off, xargs_off = _is_off(top), _is_off(xargs)
+    if top_off != xargs_off:
+        switched = xargs if top_off else top
+        if switched:
+            off_place, other = ("at the top level", f"in {where}") if top_off \
+                else (f"in {where}", "at the top level")
+            raise BregmanParamError(
+                "bregman_mode", f'"off" {off_place} would switch off the Bregman fields '
+                f"{other} ({', '.join(switched)}); send the fields in one place, or leave "
+                "them out to sample plainly")
+
+
+def _is_off(fields: dict[str, Any]) -> bool:
+    return "bregman_mode" in fields and parse_field("bregman_mode", fields["bregman_mode"]) \
+        == "off"
+
+
+def _stray_holder(body: dict[str, Any], target: Target | None) -> tuple[str, str] | None:
+    """(object, key) for the first Bregman key in a top-level object whose name is one of
+    `_HOLDER_NAMES` as the matching rule spells it, but not the route's own ``target``
+    (None: the route reads no extra arguments)."""
+    for holder_name, value in body.items():
+        if not isinstance(value, dict) or not isinstance(holder_name, str) \
+                or (target is not None and holder_name == target[0]):
+            continue
+        if folded_key(holder_name) in _HOLDER_NAMES:
+            for key in value:
+                if is_bregman_key(key):
+                    return holder_name, key
+    return None
+
+
+def refuse_bregman_fields(body: dict[str, Any], route: str, honoured: str) -> None:
+    """A 400 naming the first Bregman key (any spelling the matching rule finds) at the top
+    level, or in a top-level ``vllm_xargs`` / ``extra_body``, of a route that cannot honour
+    it."""
+    key = next((key for key in body if is_bregman_key(key)), None)
+    if key is None:
+        stray = _stray_holder(body, None)
+        key = ".".join(stray) if stray is not None else None
+    if key is not None:
+        raise BregmanParamError(
+            key, f"Bregman fields are not supported on {route}; send them to {honoured} "
+            "(or in the route's own vllm_xargs / sampling_params.extra_args, which vLLM "
+            "validates)")

@@ -20,17 +20,20 @@ the middleware accepts is one vLLM can parse too (its own parse runs deeper in t
 False only when all of these hold:
 
 1. ``json.detect_encoding`` finds UTF-8 (with or without BOM), so the text is the bytes;
-2. the bytes contain neither ``bregman_`` nor ``NaN`` nor ``Infinity``;
-3. no ``\\uXXXX`` escape spells one of the characters of ``bregman_`` (only ``\\u`` escapes
-   can produce a letter or ``_``; ``\\b`` is a backspace);
+2. the bytes contain neither ``NaN`` nor ``Infinity``, and, once lower-cased (ASCII letters only)
+   with every ``-`` and ``_`` deleted, no ``bregman``;
+3. no ``\\uXXXX`` escape spells a letter of ``bregman`` (either case), ``-`` or ``_`` (only
+   ``\\u`` escapes can produce those; ``\\b`` is a backspace);
 4. fewer than `MAX_DEPTH` opening brackets, hence fewer levels.
 
-Then ``json.loads`` either fails (vLLM answers 400) or gives an object with no key that begins
-with ``bregman_`` at any level (by 1-3 such a key would be in the bytes literally), no NaN or
-infinity (by 1-2: those constants are bare tokens, never escaped) and depth below the bound (4):
-the full path would forward the same bytes unchanged, so skipping it changes nothing that vLLM
-reads. Server defaults on a route that takes them always need the full path (the middleware's
-business, not this module's).
+Then ``json.loads`` either fails (vLLM answers 400) or gives an object with no key meant as a
+Bregman field at any level (`bregman_vllm.params.is_bregman_key`: ignoring the spaces at its
+ends, case, dashes and underscores, it begins with ``bregman``; the only characters that
+lower-case to a letter of ``bregman`` are those letters themselves, so by 1-3 such a key would
+put ``bregman`` in the folded bytes), no NaN or infinity (by 1-2: those constants are bare
+tokens, never escaped) and depth below the bound (4): the full path would forward the same bytes
+unchanged, so skipping it changes nothing that vLLM reads. Server defaults on a route that takes
+them always need the full path (the middleware's business, not this module's).
 """
 
 from __future__ import annotations
@@ -50,8 +53,9 @@ MAX_DEPTH = 256
 _JSON = b"application/json"
 _FORMS = (b"multipart/form-data", b"application/x-www-form-urlencoded")
 _UTF8 = ("utf-8", "utf-8-sig")
-# A \\u escape of one of b, r, e, g, m, a, n, _ (hex digits in either case).
-_LETTER_ESCAPE = re.compile(rb"\\u00(?:6[1257dDeE]|72|5[fF])")
+# A \\u escape of one of b, r, e, g, m, a, n in either case, "_" or "-" (hex digits in either
+# case).
+_LETTER_ESCAPE = re.compile(rb"\\u00(?:[46][1257dDeE]|[57]2|5[fF]|2[dD])")
 
 
 def is_json_type(content_type: bytes | None) -> bool:
@@ -72,12 +76,18 @@ def is_form_type(content_type: bytes | None) -> bool:
     return content_type is not None and content_type.lower().lstrip().startswith(_FORMS)
 
 
+def mentions_bregman(raw: bytes) -> bool:
+    """Whether ``raw``, lower-cased (ASCII) with every ``-`` and ``_`` deleted, contains
+    ``bregman``: false for bytes that cannot spell a key meant as a Bregman field literally."""
+    return b"bregman" in raw.lower().translate(None, b"-_")
+
+
 def must_parse(raw: bytes) -> bool:
     """False only when the body provably carries no Bregman field, NaN or infinity and no deep
     nesting (the four conditions of the module docstring)."""
     if json.detect_encoding(raw) not in _UTF8:
         return True
-    if b"bregman_" in raw or b"NaN" in raw or b"Infinity" in raw:
+    if b"NaN" in raw or b"Infinity" in raw or mentions_bregman(raw):
         return True
     if b"\\u" in raw and _LETTER_ESCAPE.search(raw) is not None:
         return True

@@ -8,10 +8,17 @@ on h11 through `BoundedH11Protocol`, which adds, per connection:
 2. a deadline for a request head once a connection opens or a new request begins:
    ``header_timeout`` seconds, answered 408 (slow-loris connections cannot pile up);
 3. a cap on open connections, ``max_connections``, that keeps room for clients that send their
-   requests: when every slot is taken, a new connection closes the one that has waited longest
-   (at least `EVICT_AFTER` seconds) for its client, which is still sending its head or body or
-   sits idle between requests; only if there is none is the new one answered 503 and closed.
-   Trickling clients, however many, cannot lock others out;
+   requests (`Room`): when every slot is taken, a new connection is let in and closes a
+   connection that waits for its client instead (no request yet, a head or a body still
+   arriving, or idle between requests; never one whose request is being served or answered),
+   the one that has waited longest, a body arriving fast last. A connection younger than
+   `EVICT_AFTER` is never closed for room while there is headroom, so that every client has
+   the time to send its head: when only young ones wait, the newcomer is let in beyond the cap
+   (by at most `Room.headroom`, half the cap) and room is made as soon as they are old enough;
+   with no headroom left, the young give way too, oldest first. Only when no other connection
+   waits for its client (every one is being served) is a newcomer answered 503 and closed. So
+   clients that hold connections open, however many and however fast they reconnect, cannot
+   lock out a client that sends its request;
 4. a deadline for the whole body of each request (``body_deadline`` plus `BODY_GRACE` seconds,
    from the end of its head), also when the app answered without reading it: the middleware's
    own body deadline answers 408 first, this one closes what remains;
@@ -34,14 +41,107 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .errors import error_body
 from .settings import ServerSettings
 
-#: Seconds a connection must have waited for its client before a new one may close it.
-EVICT_AFTER = 1.0
+#: Seconds a connection must have waited for its client (since it opened, or since its last
+#: response) before it may be closed to make room while there is headroom: time for any client
+#: to send its head. A client that sends its request at once is past its head within
+#: milliseconds, and then never closed for room while it is served.
+EVICT_AFTER = 0.1
+#: A body arriving at least this fast (bytes per second since its head) is an upload, not a
+#: trickle: closed for room only when no slower connection waits.
+FAST_BODY = 64 * 1024
 #: Seconds past the body deadline before the connection closes (the middleware's 408 first).
 BODY_GRACE = 1.0
 
 
 def _json(status: int, message: str, type: str, code: str) -> bytes:
     return json.dumps(error_body(message, type, None, code)).encode()
+
+
+class Room:
+    """The connections of one server that wait for their clients, in the order in which they
+    began to wait, and the choice of which to close when a new one needs room (item 3 of the
+    module docstring).
+
+    A connection is listed when it opens, and again (last) when its response completes and it
+    waits for its next request; it leaves the list once its request has arrived whole (it is
+    being served) and when it closes. The search for a victim therefore goes from the front and
+    stops at the first connection that began to wait less than `EVICT_AFTER` ago.
+    """
+
+    def __init__(self, cap: int, connections: set[Any]) -> None:
+        self.cap = cap
+        #: Beyond the cap, room for newcomers while only young connections wait.
+        self.headroom = max(16, cap // 2)
+        self.connections = connections  # uvicorn's: every open connection of the server
+        self.waiting: dict[BoundedH11Protocol, None] = {}
+        self.closing: set[BoundedH11Protocol] = set()  # closed for room, not yet gone
+        self._settle: asyncio.TimerHandle | None = None
+
+    @property
+    def open(self) -> int:
+        return len(self.connections) - len(self.closing)
+
+    def wait(self, connection: BoundedH11Protocol) -> None:
+        """``connection`` waits for its client from now on (listed last)."""
+        self.waiting.pop(connection, None)
+        self.waiting[connection] = None
+
+    def admit(self, newcomer: BoundedH11Protocol) -> bool:
+        """Make room for ``newcomer``, just opened past the cap; False: refuse it."""
+        victim, young = self._victim(newcomer.loop.time(), newcomer)
+        if victim is None and young is not None and self.open > self.cap + self.headroom:
+            victim = young  # no headroom left: even the young give way, oldest first
+        if victim is not None:
+            victim.close_for_room()
+            return True
+        if young is None:
+            return False  # every other connection is being served
+        self._settle_at(newcomer.loop, young.waiting_since + EVICT_AFTER)
+        return True
+
+    def settle(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Back under the cap: close the waiting connections that have become old enough."""
+        self._settle = None
+        while self.open > self.cap:
+            victim, young = self._victim(loop.time(), None)
+            if victim is None:
+                if young is not None:
+                    self._settle_at(loop, young.waiting_since + EVICT_AFTER)
+                return
+            victim.close_for_room()
+
+    def _settle_at(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        if self._settle is None:
+            self._settle = loop.call_at(when, self.settle, loop)
+
+    def _victim(self, now: float, newcomer: BoundedH11Protocol | None
+                ) -> tuple[BoundedH11Protocol | None, BoundedH11Protocol | None]:
+        """(the connection to close, or None; the first waiting connection too young to be
+        closed, or None). The one to close waits for its client, began to wait at least
+        `EVICT_AFTER` ago and, of those, has waited longest; a body arriving at `FAST_BODY`
+        or more only when no other is left."""
+        slow: BoundedH11Protocol | None = None
+        fast: BoundedH11Protocol | None = None
+        young: BoundedH11Protocol | None = None
+        gone = []
+        for connection in self.waiting:
+            if connection is newcomer:
+                continue
+            if connection.transport is None or connection.transport.is_closing():
+                gone.append(connection)
+            elif not connection.waits_for_client():
+                continue  # its answer is being written; listed again when it is complete
+            elif now - connection.waiting_since < EVICT_AFTER:
+                young = connection  # and every one after it is younger
+                break
+            elif connection.body_rate(now) < FAST_BODY:
+                slow = connection
+                break
+            else:
+                fast = fast or connection
+        for connection in gone:
+            del self.waiting[connection]
+        return slow or fast, young
 
 
 class BoundedH11Protocol(H11Protocol):
@@ -55,19 +155,26 @@ class BoundedH11Protocol(H11Protocol):
         super().__init__(config, *args, **kwargs)
         self._header_timeout: float = config.bregman_header_timeout
         self._body_deadline: float = config.bregman_body_deadline + BODY_GRACE
-        self._max_connections: int = config.bregman_max_connections
         self._max_head: int = config.h11_max_incomplete_event_size
+        room = getattr(self.server_state, "bregman_room", None)
+        if room is None:  # one per server: every connection of it shares the room
+            room = Room(config.bregman_max_connections, self.connections)
+            self.server_state.bregman_room = room
+        self._room: Room = room
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._head_seen = 0  # bytes of the current head so far
         self._head_tail = b""  # its last bytes, where a blank line may begin
-        self._waiting_since = 0.0  # when this connection began to wait for a request
+        self.waiting_since = 0.0  # when it began to wait for its current request
+        self._body_since = 0.0  # when the current request's head was complete
+        self._body_bytes = 0  # bytes received since
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._waiting_since = self.loop.time()
-        if len(self.connections) > self._max_connections and self._over_cap() \
-                and not self._make_room():
+        self.waiting_since = self.loop.time()
+        room = self._room
+        room.wait(self)
+        if room.open > room.cap and not room.admit(self):
             self._answer(503, _json(503, "Too many open connections; retry later.",
                                     "server_error", "too_many_connections"),
                          extra=[(b"retry-after", b"1")])
@@ -81,6 +188,7 @@ class BoundedH11Protocol(H11Protocol):
                 431, f"Request line and headers larger than {self._max_head} bytes.",
                 "invalid_request_error", "request_header_fields_too_large"))
             return
+        before = self.conn.their_state
         super().data_received(data)
         state = self.conn.their_state
         if state is h11.IDLE and not self.transport.is_closing():
@@ -90,12 +198,20 @@ class BoundedH11Protocol(H11Protocol):
         if state is h11.SEND_BODY:
             if self._body_timer is None:  # the head is complete: the body's deadline runs
                 self._body_timer = self.loop.call_later(self._body_deadline, self._body_expired)
+                self._body_since = self.loop.time()
+                self._body_bytes = 0
+            elif before is h11.SEND_BODY:
+                self._body_bytes += len(data)
         elif self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
+        if state is not h11.IDLE and state is not h11.SEND_BODY:
+            self._room.waiting.pop(self, None)  # its request is here: being served
 
     def on_response_complete(self) -> None:
-        self._waiting_since = self.loop.time()  # now waiting for the next request
+        self.waiting_since = self.loop.time()  # now waiting for the next request
+        if not self.transport.is_closing():
+            self._room.wait(self)
         super().on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -103,21 +219,15 @@ class BoundedH11Protocol(H11Protocol):
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
+        self._room.waiting.pop(self, None)
+        self._room.closing.discard(self)
         super().connection_lost(exc)
 
     # --- keeping room ------------------------------------------------------------------------
 
-    def _over_cap(self) -> bool:
-        """Whether more connections are open than the cap (those closing do not count)."""
-        return sum(not other.transport.is_closing() for other in self.connections
-                   if getattr(other, "transport", None) is not None) > self._max_connections
-
-    def _waiting_for_client(self, now: float) -> bool:
-        """Open for at least EVICT_AFTER s and waiting for its client: no request yet, or a
-        body still arriving while no answer is being written."""
-        if self.transport is None or self.transport.is_closing() \
-                or now - self._waiting_since < EVICT_AFTER:
-            return False
+    def waits_for_client(self) -> bool:
+        """Whether the connection waits for its client: no request yet (or a head still
+        arriving), or a body still arriving while no answer is being written."""
         theirs = self.conn.their_state
         if theirs is h11.IDLE:
             return True
@@ -125,21 +235,14 @@ class BoundedH11Protocol(H11Protocol):
         return theirs is h11.SEND_BODY and (cycle is None or not cycle.response_started
                                             or cycle.response_complete)
 
-    def _make_room(self) -> bool:
-        """Close the connection that has waited longest for its client, if any."""
-        now = self.loop.time()
-        oldest: BoundedH11Protocol | None = None
-        for other in self.connections:
-            if other is not self and isinstance(other, BoundedH11Protocol) \
-                    and other._waiting_for_client(now) \
-                    and (oldest is None or other._waiting_since < oldest._waiting_since):
-                oldest = other
-        if oldest is None:
-            return False
-        oldest._close_for_room()
-        return True
+    def body_rate(self, now: float) -> float:
+        """Bytes per second of the body arriving since its head was complete (0 without)."""
+        if self.conn.their_state is not h11.SEND_BODY:
+            return 0.0
+        return self._body_bytes / max(now - self._body_since, 1e-3)
 
-    def _close_for_room(self) -> None:
+    def close_for_room(self) -> None:
+        """Close this connection to make room for another."""
         if self.conn.their_state is h11.IDLE:
             self._disarm_head_timer()
             self._answer(503, _json(
@@ -147,12 +250,18 @@ class BoundedH11Protocol(H11Protocol):
                 "make room for another client.", "server_error", "too_many_connections"),
                 extra=[(b"retry-after", b"1")])
         else:  # a body still arriving: its request ends as a client that left (499)
-            self.transport.close()
+            self._close()
+
+    def _close(self) -> None:
+        """Close the connection: from now on it no longer counts against the cap."""
+        self._room.waiting.pop(self, None)
+        self._room.closing.add(self)
+        self.transport.close()
 
     def _body_expired(self) -> None:
         self._body_timer = None
         if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
-            self.transport.close()
+            self._close()
 
     def send_400_response(self, msg: str) -> None:
         self._disarm_head_timer()
@@ -224,7 +333,7 @@ class BoundedH11Protocol(H11Protocol):
             self.transport.write(self.conn.send(h11.EndOfMessage()))
         except h11.LocalProtocolError:  # pragma: no cover - nothing more we can send
             pass
-        self.transport.close()
+        self._close()
 
 
 def uvicorn_config(app: Any, settings: ServerSettings, **overrides: Any) -> Any:

@@ -16,6 +16,9 @@ and takes them off when the server stops. On the first request it reads the app 
 (`bregman_server.routes`) and whether vLLM's CORS layer answers preflights inside it. Then each
 HTTP request, in order:
 
+0. A method token that HTTP does not define and no route of the app takes (``FOO``, ``M`` and
+   a thousand letters) is a 405 in OpenAI's shape: it reaches no layer of the app, whose HTTP
+   metrics would add series to ``/metrics`` for every new token.
 1. ``/health`` answers 503 with the reason while the server drains or its engine is dead, so
    that load balancers move on; otherwise it goes to the app (vLLM's own check).
 2. With an API key, every route but ``/health`` needs ``Authorization: Bearer <key>``: vLLM's
@@ -28,10 +31,12 @@ HTTP request, in order:
    vLLM cannot read is a 415. A body vLLM reads as JSON is read here as vLLM reads it
    (`bregman_server.jsonbody`: any of its encodings and escapes, the last of duplicate keys),
    unless it provably carries nothing to act on (the fast path, `jsonbody.must_parse`). On the
-   routes that take them, the top-level ``bregman_*`` fields and the server defaults are
-   validated and written into the route's extra arguments; on every other route a ``bregman_*``
-   field is a 400 naming it, never silently ignored; ``NaN`` / ``Infinity`` (but for
-   ``bregman_alpha``) and JSON nested too deeply are 400s everywhere.
+   routes that take them, the Bregman fields (top level and extra arguments, which must agree)
+   and the server defaults are validated and written into the route's extra arguments
+   (`bregman_server.bregman`); on every other route a Bregman field is a 400 naming it. A key
+   meant as a Bregman field but misspelt (``BREGMAN_TOP_K``, ``bregman-top-k``) is a 400
+   everywhere, never silently ignored; ``NaN`` / ``Infinity`` (but for ``bregman_alpha``) and
+   JSON nested too deeply are 400s everywhere.
 5. The app runs; its response passes through untouched, streams chunk by chunk, except that
    its errors reach the client in OpenAI's shape (`bregman_server.errors.OpenAIErrors`). The
    request is tracked in the server's `Lifecycle`, which ends it properly when the shutdown
@@ -43,13 +48,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from typing import Any
 from urllib.parse import parse_qsl
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from bregman_vllm.params import BregmanParamError
+from bregman_vllm.params import BregmanParamError, is_bregman_key
 
 from .auth import UNAUTHORIZED, KeyCheck, answers_preflights, header, is_preflight
 from .bregman import apply_bregman, refuse_bregman_fields
@@ -58,6 +64,7 @@ from .jsonbody import (
     encode_json_body,
     is_form_type,
     is_json_type,
+    mentions_bregman,
     must_parse,
     parse_json_body,
     refuse_special,
@@ -149,21 +156,39 @@ def _too_large(limit: int) -> APIError:
                     code="request_too_large", headers=_CLOSE)
 
 
+_PART_NAME = re.compile(rb'(?i)^content-disposition:.*?;\s*name=(?:"([^"]*)"|([^;\s]*))')
+
+
 def _form_has_bregman_field(raw: bytes, content_type: bytes) -> bool:
-    """Whether a form body has a field named ``bregman_*`` (vLLM would ignore it)."""
-    if b"bregman_" not in raw:
-        return False
+    """Whether a form body has a field meant as a Bregman field (the matching rule of
+    `bregman_vllm.params.is_bregman_key`; vLLM would ignore it)."""
     if content_type.lower().lstrip().startswith(b"multipart/"):
-        return any(b'name="bregman_' in part.lower() or b"name=bregman_" in part.lower()
-                   for part in raw.split(b"\r\n") if part.lower().startswith(
-                       b"content-disposition:"))
-    return any(key.startswith("bregman_")
+        if not mentions_bregman(raw):  # part names are written as they are
+            return False
+        names = (match.group(1) if match.group(1) is not None else match.group(2)
+                 for match in map(_PART_NAME.match, raw.split(b"\r\n")) if match)
+        return any(is_bregman_key(name.decode("latin-1")) for name in names)
+    # URL-encoded names may be percent-escaped ("%62regman_top_k"): read them all.
+    return any(is_bregman_key(key)
                for key, _ in parse_qsl(raw.decode("latin-1"), keep_blank_values=True))
 
 
 # The rest of an unread body would be taken for the next request: close the connection.
 _CLOSE = {"Connection": "close"}
 _IDENTITY = (b"", b"identity")
+#: The methods HTTP defines (RFC 9110 and PATCH, RFC 5789): the middleware passes these, and any
+#: other the app's routes take, to the app; it answers every other method token itself.
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE",
+                          "PATCH"})
+
+
+def served_methods(app: Any) -> frozenset[str]:
+    """The methods the routes of ``app`` (and of the routers mounted in it) take."""
+    methods: set[str] = set()
+    for route in getattr(app, "routes", ()):
+        methods |= set(getattr(route, "methods", None) or ())
+        methods |= served_methods(route)
+    return frozenset(methods)
 
 
 class BregmanMiddleware:
@@ -193,6 +218,8 @@ class BregmanMiddleware:
         self._openapi_ready = False
         # Read from the app on the first request (`_learn`).
         self.routes: Routes | None = None
+        self.methods = HTTP_METHODS
+        self._served_methods: frozenset[str] = frozenset()
         self._cors_inside = False
         self._engine_metrics_ready = False
         self.metrics = metrics()
@@ -212,11 +239,14 @@ class BregmanMiddleware:
             return
         started = time.perf_counter()
         routes = self.routes if self.routes is not None else self._learn(scope)
+        method = scope["method"]
+        if method not in self.methods:
+            await self._unknown_method(scope, receive, send, started)
+            return
         path = scope["path"]
         root = scope.get("root_path", "")
         if root:
             path = path.removeprefix(root)
-        method = scope["method"]
         route = routes.match(path)
         endpoint = route or "other"
         if self._adopt_vllm_key:
@@ -282,6 +312,19 @@ class BregmanMiddleware:
             self.metrics.record(endpoint, mode, flight.status or 499,
                                 time.perf_counter() - started)
 
+    async def _unknown_method(self, scope: Scope, receive: Receive, send: Send,
+                              started: float) -> None:
+        """A 405 for a method token that HTTP does not define and no route takes, before any
+        route or layer of the app sees it: vLLM's HTTP metrics label requests by method, so
+        every new token would add series to /metrics for good."""
+        method = scope["method"]
+        allowed = ", ".join(sorted(self._served_methods)) or "none"
+        headers = {"Allow": allowed, **(_CLOSE if _has_body(scope["headers"]) else {})}
+        await APIError(405, f"Method {method[:40]!r} is not an HTTP method this server serves "
+                       f"(its routes take {allowed}).", code="method_not_allowed",
+                       headers=headers).response()(scope, receive, send)
+        self.metrics.record("other", "none", 405, time.perf_counter() - started)
+
     async def _body(self, scope: Scope, receive: Receive) -> bytes | None:
         headers = scope["headers"]
         declared = header(headers, b"content-length")
@@ -345,6 +388,8 @@ class BregmanMiddleware:
         app is ``scope["app"]`` inside vLLM's app, the wrapped app when wrapped around one."""
         app = scope.get("app") or self.app
         self._cors_inside = answers_preflights(app, type(self))
+        self._served_methods = served_methods(app)
+        self.methods = HTTP_METHODS | self._served_methods
         routes = self.routes = honoured_routes(app)
         logger.info("Bregman fields taken on: %s", routes.text)
         return routes

@@ -52,8 +52,9 @@ class ServerSettings(BaseSettings):
         64 * KiB, ge=1024, description="Largest request head: request line and headers (431).")
     max_connections: int = Field(
         1024, ge=1, description="Open client connections at most. When all are open, a new "
-        "one closes the connection that has waited longest (1 s at least) for its client to "
-        "send a request; with none such, it is answered 503 and closed.")
+        "one is let in and closes the connection that has waited longest for its client to "
+        "send a request (0.1 s at least while there is headroom: half the cap again); with "
+        "every other connection being served, it is answered 503 and closed.")
     header_timeout: float = Field(
         10.0, gt=0, description="Seconds a client may take to send a request head (408).")
     body_timeout: float = Field(

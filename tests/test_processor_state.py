@@ -135,6 +135,11 @@ def test_plain_requests_are_untouched_bit_for_bit():
     ({"bregman_k_max": 2.5}, "bregman_k_max"),
     ({"bregman_mode": "sideways"}, "bregman_mode"),
     ({"bregman_alpha": "banana"}, "bregman_alpha"),
+    # A key meant as a Bregman field is refused, never ignored (issue 27): what reaches
+    # extra_args unread by the server, e.g. a form's vllm_xargs JSON string, is checked here.
+    ({"BREGMAN_TOP_K": 2}, "BREGMAN_TOP_K"),
+    ({"bregman-top-k": 2, "kv_transfer_params": {}}, "bregman-top-k"),
+    ({"bregman_topk": 2}, "bregman_topk"),
 ])
 def test_validate_params_rejects_bad_values(extra, field):
     with pytest.raises(BregmanParamError) as error:

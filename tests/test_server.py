@@ -301,17 +301,92 @@ def test_raw_http_like_curl(live: Live) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # all 5 tokens (ignore_eos)
 
 
-def test_top_level_field_beats_vllm_xargs_and_vllm_xargs_pass_through(live: Live) -> None:
+def test_top_level_fields_and_vllm_xargs_add_up(live: Live) -> None:
     client = live.client()
     only_xargs = client.completions.create(**sample_kwargs(
         extra_body={"vllm_xargs": {"bregman_top_k": 4, "bregman_alpha": 2}}))
     assert completion_logprobs(only_xargs) == [4, 4, 4, 4]
     both = client.completions.create(**sample_kwargs(
-        extra_body={"bregman_top_k": 2, "vllm_xargs": {"bregman_top_k": 4}}))
-    assert completion_logprobs(both) == [2, 2, 2, 2]
+        extra_body={"bregman_top_k": 2, "vllm_xargs": {"bregman_alpha": 2, "bregman_top_k": "2"}}))
+    assert completion_logprobs(both) == [2, 2, 2, 2]  # the same value in both places agrees
     off = client.completions.create(**sample_kwargs(
-        extra_body={"bregman_mode": "off", "vllm_xargs": {"bregman_top_k": 2}}))
+        extra_body={"vllm_xargs": {"bregman_mode": "off", "bregman_top_k": 2}}))
     assert all(count >= TOP for count in completion_logprobs(off))
+
+
+# --- no Bregman field dropped in silence, wherever it is written (issue 27, part 1) -------------
+
+#: Every route that takes the fields, each with a body it serves.
+HONOURED = [
+    ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}),
+    ("/v1/chat/completions", {"model": MODEL, "max_tokens": 2,
+                              "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/chat/completions/batch", {"model": MODEL, "max_tokens": 2,
+                                    "messages": [[{"role": "user", "content": "hi"}]]}),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 2}),
+    ("/v1/messages", {"model": MODEL, "max_tokens": 2,
+                      "messages": [{"role": "user", "content": "hi"}]}),
+    ("/invocations", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}),
+]
+
+#: (the fields as the attack wrote them, param, words of the message): each was decoded plainly
+#: with a 200 before.
+DROPPED = {
+    "xargs-bregman_topk": ({"vllm_xargs": {"bregman_topk": 2}}, "bregman_topk",
+                           "did you mean `bregman_top_k`?"),
+    "xargs-BREGMAN_TOP_K": ({"vllm_xargs": {"BREGMAN_TOP_K": 2}}, "BREGMAN_TOP_K",
+                            "did you mean `bregman_top_k`?"),
+    "Bregman_top_k": ({"Bregman_top_k": 2}, "Bregman_top_k", "did you mean `bregman_top_k`?"),
+    "BREGMAN_TOP_K": ({"BREGMAN_TOP_K": 2}, "BREGMAN_TOP_K", "did you mean `bregman_top_k`?"),
+    "bregman-top-k": ({"bregman-top-k": 2}, "bregman-top-k", "did you mean `bregman_top_k`?"),
+    "bregmantopk": ({"bregmantopk": 2}, "bregmantopk", "did you mean `bregman_top_k`?"),
+    "xargs-switches-off": ({"bregman_top_k": 2, "vllm_xargs": {"bregman_mode": "off"}},
+                           "bregman_mode", '"off" in vllm_xargs would switch off the Bregman '
+                           "fields at the top level (bregman_top_k)"),
+    "top-switches-off": ({"bregman_mode": "off", "vllm_xargs": {"bregman_top_k": 2}},
+                         "bregman_mode", '"off" at the top level would switch off the Bregman '
+                         "fields in vllm_xargs (bregman_top_k)"),
+    "disagree": ({"bregman_top_k": 2, "vllm_xargs": {"bregman_top_k": 4}}, "bregman_top_k",
+                 "2 at the top level and 4 in vllm_xargs"),
+    "VLLM_XARGS": ({"VLLM_XARGS": {"bregman_top_k": 2}}, "VLLM_XARGS.bregman_top_k",
+                   "vLLM does not read 'VLLM_XARGS'"),
+    "extra_body": ({"extra_body": {"bregman_top_k": 2}}, "extra_body.bregman_top_k",
+                   "vLLM does not read 'extra_body'"),
+}
+
+
+@pytest.mark.parametrize("case", DROPPED)
+def test_a_bregman_field_is_honoured_or_refused_wherever_it_is_written(live: Live, case: str
+                                                                       ) -> None:
+    """Each attack case of issue 27 (decoded plainly with a 200 before) is a 400 naming the
+    field, on every route that takes the fields, streamed or not; a misspelt key gets the same
+    message in vllm_xargs as at the top level."""
+    fields, param, words = DROPPED[case]
+    for path, body in HONOURED:
+        for stream in (False, True):
+            response = httpx.post(live.url + path, json={**body, "stream": stream, **fields},
+                                  headers=live.auth, timeout=60)
+            assert response.status_code == 400, (path, stream, response.text)
+            error = response.json()["error"]
+            assert (error["param"], error["type"]) == (param, "invalid_request_error"), error
+            assert words in error["message"], (path, error)
+            if case.startswith("xargs-") and param in case:  # the same key at the top level
+                top = httpx.post(live.url + path, json={**body, param: 2}, headers=live.auth,
+                                 timeout=60)
+                assert top.json()["error"]["message"] == error["message"]
+
+
+def test_a_misspelt_field_is_refused_on_routes_that_sample_nothing(live: Live) -> None:
+    for fields, param in (({"BREGMAN_TOP_K": 2}, "BREGMAN_TOP_K"),
+                          ({"vllm_xargs": {"bregman-top-k": 2}}, "vllm_xargs.bregman-top-k")):
+        response = httpx.post(live.url + "/tokenize", headers=live.auth, timeout=60,
+                              json={"model": MODEL, "prompt": PROMPT, **fields})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
+        assert "not supported on POST /tokenize" in response.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as info:  # and through the SDK, on plain vLLM
+        live.client(plain=True).completions.create(**sample_kwargs(
+            extra_body={"Bregman_Alpha": 2}))
+    assert info.value.param == "Bregman_Alpha" and "`bregman_alpha`" in info.value.message
 
 
 INVALID_FIELDS = [
@@ -357,6 +432,48 @@ def test_vllm_routes_answer_behind_the_key(live: Live) -> None:
     assert response.status_code == 200 and response.json()["count"] > 0
     response = httpx.get(live.url + "/v1/completions", headers=live.auth, timeout=60)  # vLLM's 405
     assert response.status_code == 405
+
+
+def test_odd_methods_add_no_metrics_series(live: Live) -> None:
+    """Issue 27, part 3: every method token vLLM's HTTP instrumentation saw became a label
+    value, 7 series each (500 requests grew /metrics from 142 KB to 3.9 MB). 500 requests with
+    ``M`` and 1000 random letters as their method are 405s in OpenAI's shape, answered by the
+    middleware: /metrics has the same series after them; HTTP's own methods are answered by
+    vLLM's routes as before (f8423c3 gave the same statuses)."""
+    import http.client
+    import random
+
+    def series() -> set[str]:
+        return {line.rsplit(" ", 1)[0] for line in live.metrics().splitlines()
+                if line and not line.startswith("#")}
+
+    host, port = live.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)  # methods as given
+    rng = random.Random(27)
+    try:
+        connection.request("FOO", "/x", headers=live.auth)  # the series of our own 405s
+        first = connection.getresponse()
+        assert first.status == 405 and first.read()
+        series()  # and of a scrape of /metrics, counted once it is answered
+        before = series()
+        for _ in range(500):
+            method = "M" + "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(1000))
+            connection.request(method, "/x", headers=live.auth)
+            response = connection.getresponse()
+            error = json.loads(response.read())["error"]
+            assert (response.status, error["code"]) == (405, "method_not_allowed"), error
+    finally:
+        connection.close()
+    assert series() == before
+    origin = {"Origin": "https://example.com", "Access-Control-Request-Method": "POST"}
+    for method, path, headers, status in [
+            ("GET", "/v1/models", {}, 200), ("OPTIONS", "/v1/completions", {}, 405),
+            ("HEAD", "/health", {}, 405), ("PUT", "/v1/completions", {}, 405),
+            ("DELETE", "/v1/models", {}, 405), ("PATCH", "/v1/completions", {}, 405),
+            ("TRACE", "/v1/models", {}, 405), ("OPTIONS", "/v1/completions", origin, 400)]:
+        response = httpx.request(method, live.url + path, headers={**live.auth, **headers},
+                                 timeout=60)
+        assert response.status_code == status, (method, path, response.text)
 
 
 def test_api_key_guards_every_route_but_health(live: Live) -> None:

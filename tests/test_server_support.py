@@ -8,14 +8,18 @@ failing test never leaves processes behind.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import json
+import multiprocessing
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -467,3 +471,160 @@ def check_engine_metrics_add_up(url: str, model: str, headers: dict[str, str] | 
         assert len(served) == engines and all(value > 0 for value in served.values()), second
         assert second["primal"] + second["dual"] == sum(served.values()) == generated, second
     return change
+
+
+# --- slow clients against the connection cap (issue 27, part 2) --------------------------------
+#
+# The issue's attack: slow clients of five kinds that reconnect 0.1 s after each close, while
+# clients that behave send completions. benchmarks/bench_connections.py runs it at full size.
+
+MODEL = "models/tiny-llama"
+SLOW_KINDS = ("idle", "slow-head", "slow-body-key", "slow-body-nokey", "chunked")
+
+
+def _slow_request(kind: str, key: str) -> tuple[bytes, bytes]:
+    """What a slow client of ``kind`` sends at once, and what it trickles byte by byte."""
+    auth = f"Authorization: Bearer {key}\r\n".encode()
+    start = b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+    if kind == "idle":
+        return b"", b""
+    if kind == "slow-head":
+        return b"", start + b"X-Filler: " + b"a" * 100_000
+    if kind == "chunked":
+        return start + auth + b"Transfer-Encoding: chunked\r\n\r\n", b"1\r\n \r\n" * 100_000
+    with_key = auth if kind == "slow-body-key" else b""
+    return start + with_key + b"Content-Length: 100000\r\n\r\n", b"{" + b" " * 99_999
+
+
+async def _slow_client(kind: str, host: str, port: int, key: str, trickle: float,
+                       reconnect: float, stop: float, counts: dict[str, int]) -> None:
+    """One slow client until ``stop``: its request's first part at once, then a byte (a chunk)
+    every ``trickle`` s; ``reconnect`` s after the server closes it, the same again."""
+    loop = asyncio.get_running_loop()
+    first, rest = _slow_request(kind, key)
+    step = 8 if kind == "chunked" else 1
+    while loop.time() < stop:
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+        except OSError:
+            counts["connect_failed"] += 1
+            await asyncio.sleep(reconnect)
+            continue
+        counts["opened"] += 1
+        sent = 0
+        try:
+            if first:
+                writer.write(first)
+            while loop.time() < stop:
+                try:  # the server's answer or its close ends this connection
+                    data = await asyncio.wait_for(reader.read(65536), trickle)
+                except asyncio.TimeoutError:
+                    data = None
+                if data is not None:
+                    if data[:12].startswith(b"HTTP/1.1 503"):
+                        counts["answered_503"] += 1
+                    if not data:
+                        counts["closed_by_server"] += 1
+                        break
+                    continue
+                if rest and sent < len(rest):
+                    writer.write(rest[sent:sent + step])
+                    sent += step
+        except (ConnectionError, OSError):
+            counts["closed_by_server"] += 1
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+        await asyncio.sleep(reconnect)
+
+
+async def _slow_clients(host: str, port: int, key: str, count: int, trickle: float,
+                        reconnect: float, seconds: float) -> dict[str, int]:
+    counts = dict.fromkeys(("opened", "connect_failed", "closed_by_server", "answered_503"), 0)
+    stop = asyncio.get_running_loop().time() + seconds
+    clients = []
+    for i in range(count):
+        clients.append(asyncio.create_task(_slow_client(
+            SLOW_KINDS[i % len(SLOW_KINDS)], host, port, key, trickle, reconnect, stop, counts)))
+        if i % 50 == 49:
+            await asyncio.sleep(0)  # let the first ones connect while the rest start
+    await asyncio.gather(*clients, return_exceptions=True)
+    return counts
+
+
+def _slow_process(args: tuple[Any, ...], results: Any) -> None:
+    results.put(asyncio.run(_slow_clients(*args)))
+
+
+def _legit_request(url: str, key: str) -> tuple[str, float]:
+    """One completion on a fresh connection: (outcome, seconds)."""
+    body = {"model": MODEL, "prompt": "ROMEO:\n", "max_tokens": 4, "temperature": 1.0}
+    started = time.perf_counter()
+    try:
+        with httpx.Client(timeout=30, trust_env=False) as client:
+            response = client.post(url + "/v1/completions", json=body,
+                                   headers={"Authorization": f"Bearer {key}"})
+        outcome = "ok" if response.status_code == 200 else str(response.status_code)
+    except httpx.TimeoutException:
+        outcome = "timeout"
+    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError,
+            httpx.ConnectError) as error:
+        outcome = "reset" if "reset" in str(error).lower() or isinstance(
+            error, (httpx.ReadError, httpx.WriteError)) else type(error).__name__
+    return outcome, time.perf_counter() - started
+
+
+def _percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def run_load(url: str, key: str, slow: int = 600, reconnect: float = 0.1, trickle: float = 1.0,
+             seconds: float = 30.0, warmup: float = 3.0, legit_threads: int = 2
+             ) -> dict[str, Any]:
+    """``slow`` slow clients (the five kinds in equal shares, in a process of their own)
+    against the server at ``url`` for ``warmup + seconds`` seconds; meanwhile, after
+    ``warmup``, ``legit_threads`` threads each send completions (4 tokens, a fresh connection
+    each) one after another. Returns the figures: legitimate requests, how many were served,
+    how the others failed, the latency of those served, the slow clients' connections."""
+    host, port = url.removeprefix("http://").split(":")
+    results: Any = multiprocessing.get_context("spawn").Queue()
+    attack = multiprocessing.get_context("spawn").Process(
+        target=_slow_process, daemon=True,
+        args=((host, int(port), key, slow, trickle, reconnect, warmup + seconds + 1.0), results))
+    attack.start()
+    outcomes: list[tuple[str, float]] = []
+    lock = threading.Lock()
+    try:
+        time.sleep(warmup)
+        stop = time.monotonic() + seconds
+
+        def legit() -> None:
+            while time.monotonic() < stop:
+                outcome = _legit_request(url, key)
+                with lock:
+                    outcomes.append(outcome)
+
+        with concurrent.futures.ThreadPoolExecutor(legit_threads) as pool:
+            for future in [pool.submit(legit) for _ in range(legit_threads)]:
+                future.result()
+        slow_counts = results.get(timeout=warmup + seconds + 60)
+    finally:
+        attack.join(10)
+        if attack.is_alive():
+            attack.kill()
+    served = [took for outcome, took in outcomes if outcome == "ok"]
+    failures: dict[str, int] = {}
+    for outcome, _ in outcomes:
+        if outcome != "ok":
+            failures[outcome] = failures.get(outcome, 0) + 1
+    latency = {f"p{q}_ms": round(_percentile(served, q) * 1000, 1) for q in (50, 90)} \
+        if served else {}
+    if served:
+        latency["max_ms"] = round(max(served) * 1000, 1)
+        latency["mean_ms"] = round(statistics.fmean(served) * 1000, 1)
+    return {"legit": len(outcomes), "served": len(served),
+            "share": round(len(served) / len(outcomes), 3) if outcomes else None,
+            "failures": failures, "latency": latency, "slow_clients": slow,
+            "slow_connections": slow_counts}

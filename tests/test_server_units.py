@@ -11,6 +11,9 @@ exactly as vLLM's app is.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import http.client
 import json
 import math
 import os
@@ -42,7 +45,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from bregman_vllm.params import FIELD_SPECS, BregmanParamError, BregmanParams
+from bregman_vllm.params import FIELD_SPECS, BregmanParamError, BregmanParams, is_bregman_key
 
 from .test_server_support import BODY_ENCODINGS, encode_body
 
@@ -324,6 +327,68 @@ def test_bregman_fields_on_a_route_that_cannot_honour_them_are_a_400(served: Ser
     assert served.post("/pooling", {"input": "x"}).status_code == 200
     form = httpx.post(served.url + "/v1/completions", data={"bregman_alpha": "2"}, headers=AUTH)
     assert form.status_code == 400 and "JSON" in form.json()["error"]["message"]
+    # Any spelling the matching rule finds, percent-escaped names too, and multipart forms.
+    for raw in (b"BREGMAN_TOP_K=2", b"prompt=x&%62regman_top_k=2", b"Bregman-Alpha=2"):
+        form = httpx.post(served.url + "/v1/completions", content=raw, headers={
+            **AUTH, "content-type": "application/x-www-form-urlencoded"})
+        assert form.status_code == 400, raw
+    multipart = httpx.post(served.url + "/v1/completions", files={"f": b"x"},
+                           data={"Bregman-Top-K": "2"}, headers=AUTH)
+    assert multipart.status_code == 400 and "JSON" in multipart.json()["error"]["message"]
+
+
+# --- no Bregman field dropped in silence, wherever it is written (issue 27, part 1) --------------
+
+MISSPELT = ["Bregman_top_k", "BREGMAN_TOP_K", "bregman-top-k", "bregmantopk", "bregman_topk",
+            "BregmanTopK", " bregman_top_k"]
+HONOURED = [*GENERATION_ROUTES, "/v1/chat/completions/batch"]
+
+
+@pytest.mark.parametrize("key", MISSPELT)
+def test_a_misspelt_field_is_refused_at_the_top_level_and_in_vllm_xargs(served: Served,
+                                                                        key: str) -> None:
+    """On every honoured route, streamed or not, and in both places, with one message: "did
+    you mean `bregman_top_k`?" (vLLM dropped these as unknown fields and sampled plainly)."""
+    for path in HONOURED:
+        for stream in (False, True):
+            messages = set()
+            for fields in ({key: 2}, {"vllm_xargs": {key: 2}}):
+                error = assert_openai_error(served.post(
+                    path, {"prompt": "x", "stream": stream, **fields}), 400, key)
+                assert "did you mean `bregman_top_k`?" in error["message"], error
+                messages.add(error["message"])
+            assert len(messages) == 1, messages
+    for fields, param in (({key: 2}, key), ({"vllm_xargs": {key: 2}}, f"vllm_xargs.{key}")):
+        # a route that samples nothing
+        error = assert_openai_error(served.post("/tokenize", {"prompt": "x", **fields}), 400,
+                                    param)
+        assert "not supported on POST /tokenize" in error["message"]
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"VLLM_XARGS": {"bregman_top_k": 2}}, "VLLM_XARGS.bregman_top_k"),
+    ({"vllm-xargs": {"bregman_alpha": 2}}, "vllm-xargs.bregman_alpha"),
+    ({"extra_body": {"bregman_top_k": 2}}, "extra_body.bregman_top_k"),  # the SDK's argument
+    ({"bregman": {"top_k": 2}}, "bregman"),
+    ({"bregman_temperature": 2}, "bregman_temperature"),
+])
+def test_bregman_fields_where_vllm_never_reads_them_are_refused(served: Served,
+                                                               fields: dict[str, Any],
+                                                               param: str) -> None:
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        assert_openai_error(served.post(path, {"prompt": "x", **fields}), 400, param)
+
+
+def test_the_two_places_must_agree_on_every_honoured_route(served: Served) -> None:
+    for path in HONOURED:
+        for stream in (False, True):
+            error = assert_openai_error(served.post(path, {
+                "prompt": "x", "stream": stream, "bregman_top_k": 2,
+                "vllm_xargs": {"bregman_mode": "off"}}), 400, "bregman_mode")
+            assert "in vllm_xargs" in error["message"] and "at the top level" in error["message"]
+            agreed = served.post(path, {"prompt": "x", "bregman_top_k": 2,
+                                        "vllm_xargs": {"bregman_top_k": "2", "u": 1}})
+            assert agreed.json()["received"]["vllm_xargs"]["bregman_top_k"] == 2, path
 
 
 def test_server_defaults_apply_to_requests_that_do_not_say() -> None:
@@ -407,7 +472,8 @@ def test_nesting_is_bounded(served: Served, depth: int) -> None:
 # The fuzz: any body, written any way vLLM reads it, has the outcome of its plain UTF-8 form.
 
 FUZZ_KEYS = ["bregman_mode", "bregman_alpha", "bregman_lambda", "bregman_top_k",
-             "bregman_k_max", "bregman_topk", "temperature", "logit_bias", "prompt", "n"]
+             "bregman_k_max", "bregman_topk", "BREGMAN-ALPHA", "temperature", "logit_bias",
+             "prompt", "n"]
 FUZZ_SCALARS = (st.none() | st.booleans() | st.integers(-5, 2**40) | st.sampled_from(
     [0.5, 1.5, 2.0, math.nan, math.inf, -math.inf, "inf", "primal", "dual", "off", "²", "x"])
     | st.text(max_size=6))
@@ -464,7 +530,8 @@ def test_fuzz_defaults_any_encoding() -> None:
 # The fast path is safe: whatever it leaves unread holds nothing the middleware acts on.
 
 _TEXT_KEYS = st.sampled_from(["bregman_top_k", "bregman_", "bregma", "regman_", "b", "prompt",
-                              "\u00e9", "NaN", "x"])
+                              "\u00e9", "NaN", "x", "BREGMAN_TOP_K", "Bregman-top-k",
+                              "b-r-e_g-man", " bregman", "BreGman", "bregmantopk"])
 
 
 @st.composite
@@ -475,7 +542,7 @@ def json_texts(draw: Any) -> bytes:
         | st.dictionaries(_TEXT_KEYS, children, max_size=3), max_leaves=8))
     text = json.dumps(value, ensure_ascii=draw(st.booleans()))
     if draw(st.booleans()):  # \\u-escape some letters the way a hostile client would
-        letters = draw(st.sets(st.sampled_from("bregman_NaIity"), max_size=4))
+        letters = draw(st.sets(st.sampled_from("bregmanBREGMAN_-NaIity"), max_size=4))
         text = "".join(f"\\u{ord(c):04x}" if c in letters and draw(st.booleans()) else c
                        for c in text)
     codec = draw(st.sampled_from(["utf-8", "utf-8-sig", "utf-16", "utf-16-be", "utf-32"]))
@@ -502,7 +569,7 @@ def test_fast_path_leaves_unread_only_what_needs_no_reading(raw: bytes) -> None:
             yield from (("key", key) for key in node)
 
     for item in walk(body):
-        assert not (isinstance(item, tuple) and item[1].startswith("bregman_")), raw
+        assert not (isinstance(item, tuple) and is_bregman_key(item[1])), raw
         assert not (isinstance(item, float) and not math.isfinite(item)), raw
 
 
@@ -594,8 +661,10 @@ def test_a_body_shorter_than_its_content_length_gets_a_408(served: Served) -> No
 
 
 def test_idle_connections_cannot_exhaust_the_server(served: Served) -> None:
-    """Far more half-open connections than the cap: the extra ones are answered 503 at once,
-    the rest are closed at the head deadline, and the server serves again right after."""
+    """Far more half-open connections than the cap (40), opened faster than any may be closed
+    for room: up to the headroom (20) beyond the cap they are let in, the rest answered 503 at
+    once; once 0.1 s old the oldest are closed (503) down to the cap, the others at the head
+    deadline (408), and the server serves again right after."""
     host, port = served.url.removeprefix("http://").split(":")
     sockets = []
     try:
@@ -603,22 +672,115 @@ def test_idle_connections_cannot_exhaust_the_server(served: Served) -> None:
             sock = socket.create_connection((host, int(port)), timeout=5)
             sock.sendall(b"GET /health HTTP/1.1\r\n")
             sockets.append(sock)
-        time.sleep(0.5)
-        refused = 0
-        for sock in sockets[40:]:
-            sock.settimeout(3)
-            data = sock.recv(4096)
-            refused += data.startswith(b"HTTP/1.1 503")
-        assert refused >= 70
-        time.sleep(1.5)  # past the 1 s head deadline: every connection was closed by the server
-        for sock in sockets[:40]:
-            sock.settimeout(3)
-            data = sock.recv(4096)
-            assert data == b"" or data.startswith((b"HTTP/1.1 408", b"HTTP/1.1 503")), data[:80]
+        answers = []
+        for sock in sockets:  # the head deadline is 1 s: every one is answered and closed
+            sock.settimeout(5)
+            answers.append(sock.recv(4096)[:12])
     finally:
         for sock in sockets:
             sock.close()
+    assert answers.count(b"HTTP/1.1 503") >= 70, answers
+    assert set(answers) <= {b"HTTP/1.1 503", b"HTTP/1.1 408", b""}, set(answers)
     assert httpx.get(served.url + "/health", timeout=5).status_code == 200
+
+
+def _hold(url: str, count: int, stop: threading.Event, closed: list[bytes]) -> None:
+    """``count`` connections that send nothing and, once the server closes one, connect again
+    at once (the issue's slow clients, reconnecting 0.1 s after each close or sooner)."""
+    host, port = url.removeprefix("http://").split(":")
+    held = [socket.create_connection((host, int(port))) for _ in range(count)]
+    try:
+        while not stop.is_set():
+            readable, _, _ = select.select(held, [], [], 0.05)
+            for sock in readable:
+                try:
+                    closed.append(sock.recv(4096)[:12])
+                except OSError:
+                    closed.append(b"reset")
+                sock.close()
+                held[held.index(sock)] = socket.create_connection((host, int(port)))
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_clients_that_send_their_request_get_in_while_young_connections_hold_every_slot(
+        ) -> None:
+    """Issue 27, part 2: every slot held by connections that send nothing and reconnect at
+    once, so that most are younger than a second (they locked new clients out: 503s). A
+    client that sends its request is let in and closes the connection that has waited
+    longest: all 30 are served."""
+    with Served(max_connections=20, header_timeout=5) as server:
+        stop = threading.Event()
+        closed: list[bytes] = []
+        holder = threading.Thread(target=_hold, args=(server.url, 20, stop, closed))
+        holder.start()
+        try:
+            time.sleep(0.3)
+            statuses = [server.post("/v1/completions", {"prompt": "x"}).status_code
+                        for _ in range(30)]
+        finally:
+            stop.set()
+            holder.join(10)
+    assert statuses == [200] * 30, statuses
+    assert closed.count(b"HTTP/1.1 503") >= 20, closed  # closed for room, each answered 503
+
+
+def test_connections_being_served_are_never_closed_for_room() -> None:
+    """Every slot serving a request (the stub answers after 1.5 s): a newcomer is answered 503
+    at once, and every request being served completes."""
+    with Served(max_connections=4) as server, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        slow = [pool.submit(server.post, "/v1/completions", {"hang": 1.5}) for _ in range(4)]
+        time.sleep(0.7)
+        refused = httpx.get(server.url + "/health", timeout=5)
+        assert [future.result().status_code for future in slow] == [200] * 4
+    assert assert_openai_error(refused, 503)["code"] == "too_many_connections"
+
+
+def _closed(sockets: list[socket.socket], wait: float) -> int:
+    """How many of ``sockets`` the server has closed (within ``wait`` s): end of file or reset."""
+    readable, _, _ = select.select(sockets, [], [], wait)
+    closed = 0
+    for sock in readable:
+        try:
+            closed += sock.recv(1) == b""
+        except ConnectionError:
+            closed += 1
+    return closed
+
+
+def test_a_body_arriving_fast_outlasts_trickles() -> None:
+    """An upload (1 MiB at about 1 MiB/s) and three trickled bodies fill every slot; three new
+    clients (which keep their connections) close the tricklers, never the upload, although it
+    has waited longest."""
+    with Served(max_connections=4, max_body_bytes=4 * 1024 * 1024) as server, \
+            contextlib.ExitStack() as clients:
+        host, port = server.url.removeprefix("http://").split(":")
+        body = json.dumps({"prompt": "x" * (1024 * 1024)}).encode()
+        upload = clients.enter_context(socket.create_connection((host, int(port)), timeout=30))
+        upload.sendall(_head(len(body)))
+        tricklers = []
+        for _ in range(3):
+            tricklers.append(clients.enter_context(socket.create_connection((host, int(port)))))
+            tricklers[-1].sendall(_head(1000) + b"{")
+        sent = 0
+        statuses = []
+        while sent < len(body):
+            upload.sendall(body[sent:sent + 64 * 1024])
+            sent += 64 * 1024
+            time.sleep(0.05)
+            if sent >= 256 * 1024 and len(statuses) < 3:
+                client = clients.enter_context(httpx.Client(headers=AUTH, timeout=30))
+                statuses.append(client.post(server.url + "/v1/completions",
+                                            json={"prompt": "y"}).status_code)
+        answer = b""
+        while not answer.endswith(b"}"):
+            chunk = upload.recv(1 << 20)
+            assert chunk, answer[:200]
+            answer += chunk
+        closed = _closed(tricklers, 2.0)
+    assert statuses == [200] * 3 and answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    assert closed == 3
 
 
 def test_a_client_that_stops_reading_is_cut_off() -> None:
@@ -657,6 +819,66 @@ def test_the_apps_own_errors_reach_the_client_in_openai_shape(served: Served) ->
     undecodable = post_raw(served, "/v1/completions", b'{"prompt": "\xff"}',
                            {"content-type": "application/json"})
     assert "UTF-8, UTF-16 or UTF-32" in assert_openai_error(undecodable, 400)["message"]
+
+
+_TOKEN = "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def test_methods_http_does_not_define_never_reach_the_app() -> None:
+    """Issue 27, part 3: vLLM's HTTP metrics (prometheus_fastapi_instrumentator, inside the
+    middleware as in vLLM's app) label requests by method, so that every new method token
+    added series to /metrics for good. 500 requests with odd tokens (``M`` and 1000 letters,
+    random ones, ``get``: methods are case-sensitive) are 405s in OpenAI's shape that add no
+    series; HTTP's own methods reach the app as before, and are counted there."""
+    import random
+
+    from bregman_server.middleware import HTTP_METHODS
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_fastapi_instrumentator import Instrumentator
+
+    registry = CollectorRegistry()
+    app = stub_app()
+    Instrumentator(registry=registry).instrument(app)
+
+    def series() -> set[str]:
+        return {line.rsplit(" ", 1)[0] for line in generate_latest(registry).decode().splitlines()
+                if line and not line.startswith("#")}
+
+    rng = random.Random(27)
+    odd = ["M" + "x" * 1000, "get", "FOO"]
+    while len(odd) < 500:
+        token = "".join(rng.choice(_TOKEN) for _ in range(rng.randint(1, 24)))
+        if token not in HTTP_METHODS:
+            odd.append(token)
+    with Served(app) as server, httpx.Client(headers=AUTH, timeout=30) as client:
+        assert client.get(server.url + "/v1/models").status_code == 200
+        before = series()
+        host, port = server.url.removeprefix("http://").split(":")
+        raw = http.client.HTTPConnection(host, int(port), timeout=30)  # sends methods as given
+        try:
+            for method in odd:
+                raw.request(method, "/x", body=b"{}", headers=AUTH)
+                response = raw.getresponse()
+                error = json.loads(response.read())["error"]
+                assert response.status == 405 and error["code"] == "method_not_allowed", error
+                assert repr(method[:40]) in error["message"], error
+                assert response.headers["allow"] == "GET, HEAD, POST"
+                if response.headers.get("connection") == "close":
+                    raw.close()
+        finally:
+            raw.close()
+        assert series() == before
+        for method in ("PUT", "DELETE", "PATCH", "OPTIONS"):  # the app's own 405s, as before
+            response = client.request(method, server.url + "/v1/completions")
+            error = assert_openai_error(response, 405)
+            assert f"({method} /v1/completions)" in error["message"], error
+        assert client.head(server.url + "/v1/models").status_code == 405  # FastAPI: GET only
+        assert client.post(server.url + "/v1/completions", json={}).status_code == 200
+        counted = series() - before
+        assert any('method="PUT"' in name for name in counted), counted
+        # h11 refuses a method that is no token (here "M@X") before the app: a 400 of ours.
+        answer = _raw_exchange(server.url, b"M@X /x HTTP/1.1\r\nHost: x\r\n\r\n", 5)
+        assert answer.startswith(b"HTTP/1.1 400") and b"invalid_http_request" in answer
 
 
 def test_plain_text_errors_and_already_shaped_ones() -> None:
@@ -775,16 +997,10 @@ def test_trickling_clients_cannot_lock_others_out() -> None:
                 sock = socket.create_connection((host, int(port)), timeout=10)
                 sock.sendall(_head(1000) + b"{")
                 tricklers.append(sock)
-            time.sleep(1.5)  # past EVICT_AFTER: they have waited long enough to make room
+            time.sleep(0.3)  # past EVICT_AFTER: they have waited long enough to make room
             served_ok = sum(server.post("/v1/completions", {"prompt": "x"}).status_code == 200
                             for _ in range(10))
-            readable, _, _ = select.select(tricklers, [], [], 1.0)
-            closed = 0
-            for sock in readable:  # a closed connection reads as end of file (or a reset)
-                try:
-                    closed += sock.recv(1) == b""
-                except OSError:
-                    closed += 1
+            closed = _closed(tricklers, 1.0)
         finally:
             for sock in tricklers:
                 sock.close()
@@ -829,6 +1045,17 @@ def test_fields_go_into_sampling_params_extra_args_where_the_route_has_them() ->
     assert info.value.field == "sampling_params"
     untouched = {"token_ids": [1]}
     assert apply_bregman(untouched, OFF, target) == ("off", False)
+    # The same rules as for vllm_xargs (issue 27), with this route's own place in the messages.
+    for fields, param, words in (
+            ({"sampling_params": {"extra_args": {"BREGMAN_TOP_K": 2}}}, "BREGMAN_TOP_K",
+             "did you mean `bregman_top_k`?"),
+            ({"bregman_top_k": 2, "sampling_params": {"extra_args": {"bregman_top_k": 3}}},
+             "bregman_top_k", "3 in sampling_params.extra_args"),
+            ({"vllm_xargs": {"bregman_top_k": 2}}, "vllm_xargs.bregman_top_k",
+             "send it at the top level or in sampling_params.extra_args")):
+        with pytest.raises(BregmanParamError) as info:
+            apply_bregman(fields, OFF, target)
+        assert info.value.field == param and words in str(info.value), str(info.value)
 
 
 # --- shutdown ----------------------------------------------------------------------------------
@@ -882,11 +1109,31 @@ def test_top_level_fields_move_into_vllm_xargs_next_to_the_users_keys() -> None:
         "bregman_lambda": 0.01, "bregman_top_k": 4}}
 
 
-def test_top_level_field_beats_the_users_vllm_xargs() -> None:
-    body = {"bregman_alpha": 3, "vllm_xargs": {"bregman_alpha": 2, "bregman_lambda": 0.5}}
+def test_top_level_and_vllm_xargs_fields_add_up_where_they_agree() -> None:
+    body = {"bregman_alpha": 3, "vllm_xargs": {"bregman_alpha": "3.0", "bregman_lambda": 0.5}}
     apply_bregman(body, OFF)
-    assert body["vllm_xargs"]["bregman_alpha"] == 3.0
-    assert body["vllm_xargs"]["bregman_lambda"] == 0.5  # not overridden: kept from vllm_xargs
+    assert body["vllm_xargs"]["bregman_alpha"] == 3.0  # the same value, written two ways
+    assert body["vllm_xargs"]["bregman_lambda"] == 0.5  # from vllm_xargs
+
+
+@pytest.mark.parametrize(("fields", "param", "words"), [
+    ({"bregman_alpha": 3, "vllm_xargs": {"bregman_alpha": 2}}, "bregman_alpha",
+     ["3 at the top level", "2 in vllm_xargs"]),
+    ({"bregman_top_k": 2, "vllm_xargs": {"bregman_mode": "off"}}, "bregman_mode",
+     ['"off" in vllm_xargs', "at the top level (bregman_top_k)"]),
+    ({"bregman_mode": "off", "vllm_xargs": {"bregman_top_k": 2}}, "bregman_mode",
+     ['"off" at the top level', "in vllm_xargs (bregman_top_k)"]),
+    ({"bregman_mode": "dual", "vllm_xargs": {"bregman_mode": "off"}}, "bregman_mode",
+     ["'dual' at the top level", "'off' in vllm_xargs"]),
+])
+def test_top_level_and_vllm_xargs_that_disagree_are_a_400_naming_both(
+        fields: dict[str, Any], param: str, words: list[str]) -> None:
+    """Issue 27: the key-by-key merge let vllm_xargs switch the request's own top-level fields
+    off (or override them) without a word."""
+    with pytest.raises(BregmanParamError) as info:
+        apply_bregman(json.loads(json.dumps(fields)), OFF)
+    assert info.value.field == param
+    assert all(word in str(info.value) for word in words), str(info.value)
 
 
 def test_vllm_xargs_alone_beats_the_server_default() -> None:
@@ -905,7 +1152,11 @@ def test_server_default_applies_to_requests_that_do_not_say() -> None:
 
 
 def test_explicit_off_beats_the_server_default_and_strips_vllm_xargs() -> None:
-    body = {"bregman_mode": "off", "vllm_xargs": {"bregman_alpha": 2, "seed_hint": 1}}
+    body = {"bregman_mode": "off", "vllm_xargs": {"seed_hint": 1}}
+    assert apply_bregman(body, PRIMAL) == ("off", True)
+    assert body == {"vllm_xargs": {"seed_hint": 1}}
+    # "off" beside other fields in the same place: the request says off, in one place.
+    body = {"vllm_xargs": {"bregman_mode": "off", "bregman_alpha": 2, "seed_hint": 1}}
     assert apply_bregman(body, PRIMAL) == ("off", True)
     assert body == {"vllm_xargs": {"seed_hint": 1}}
 
