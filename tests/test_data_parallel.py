@@ -121,7 +121,7 @@ def test_server_log_survives_vllms_app(capsys: pytest.CaptureFixture[str]) -> No
     level."""
     import logging
 
-    from bregman_server.cli import configure_logging
+    from bregman_server.engine import configure_logging
 
     configure_logging("info")
     import model_hosting_container_standards.logging_config  # noqa: F401
