@@ -371,28 +371,30 @@ def test_sigterm_to_the_process_group_drains_every_api_server(live: Live) -> Non
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4000, "n": 4,
                        "ignore_eos": True, "stream": True}).encode()
     results: dict[int, Any] = {}
-    connections = [live.connect(timeout=GRACE) for _ in range(4)]
-    started = [threading.Event() for _ in connections]
     reading = threading.Event()
     reading.set()
-    threads = [threading.Thread(target=_read_stream, args=(connection, body, results, index,
-                                                           started[index], reading))
-               for index, connection in enumerate(connections)]
     held: list[socket.socket] = []
-    for thread in threads:
-        thread.start()
+    connections: list[socket.socket] = []
     try:
-        owners = live.owners([connection.getsockname()[1] for connection in connections])
-        assert sorted(set(owners)) == live.api_servers, f"streams on both: {owners}"
-        for event in started:  # each stream has sent its first tokens
-            assert event.wait(60)
-        # One kept-alive connection per API server, accepted and answered before the signal:
-        # the refusal is checked on each of them. (A new connection would wait for a busy API
+        # One kept-alive connection per API server, accepted and answered before the streams
+        # start (so that nothing but their first tokens comes between them and the signal): the
+        # refusal is checked on each of them. (A new connection would wait for a busy API
         # server to accept it, and one still queued when the drains end is reset with the
         # listening socket.)
         probes = _one_connection_per_api_server(live, held)
         for probe in probes.values():
             assert _exchange(probe, b"GET", b"/health", b"")[0] == 200
+        connections += [live.connect(timeout=GRACE) for _ in range(4)]
+        started = [threading.Event() for _ in connections]
+        threads = [threading.Thread(target=_read_stream, args=(
+            connection, body, results, index, started[index], reading))
+            for index, connection in enumerate(connections)]
+        for thread in threads:
+            thread.start()
+        owners = live.owners([connection.getsockname()[1] for connection in connections])
+        assert sorted(set(owners)) == live.api_servers, f"streams on both: {owners}"
+        for event in started:  # each stream has sent its first tokens
+            assert event.wait(60)
         assert not results, "a stream ended before the signal: make them longer"
         live.server.remember_descendants()
         # The readers pause while the refusals are checked: woken by a stream's bytes, four of
