@@ -141,7 +141,7 @@ def test_speculative_decoding_under_the_v1_runner_is_refused_before_anything_sta
     (which decodes every draft row) the same arguments are accepted."""
     monkeypatch.setattr(engine, "vllm_is_cpu_build", lambda: False)
     settings = ServerSettings(model=MODEL)
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)  # bregman-serve's default
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     with pytest.raises(SystemExit) as exited:
         engine.vllm_namespace(settings, ["--speculative-config", NGRAM])
     assert exited.value.code == 2
