@@ -117,6 +117,8 @@ def test_routes_that_do_not_sample_refuse_bregman_fields(monkeypatch: pytest.Mon
     paths = sorted({route.path.replace("{", "").replace("}", "")
                     for route in _post_routes(app) if route.path not in honoured})
     assert "/tokenize" in paths and "/detokenize" in paths
+    # vLLM 0.33's greedy decisions route (its model forbids extra fields) is refused too.
+    assert "/v1/decisions" in paths or "/v1/decisions" not in {r.path for r in app.routes}
 
     async def refusals() -> dict[str, tuple[int, Any]]:
         transport = httpx.ASGITransport(app=app)
