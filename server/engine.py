@@ -253,14 +253,14 @@ def serve(settings: ServerSettings, vllm_args: Sequence[str]) -> int:
     """Run the server until SIGTERM / SIGINT or the engine's death; the exit status."""
     configure_logging(settings.log_level)
     metrics_dir = _environment(settings)
-    args = vllm_namespace(settings, vllm_args)
-    from vllm.logger import configure_logging_from_args
-
-    # As vLLM's command line does: --log-level, --log-config-file; kept in ``args`` for the API
-    # server processes.
-    configure_logging_from_args(args)
-    count = api_server_count(args)
     try:
+        args = vllm_namespace(settings, vllm_args)
+        from vllm.logger import configure_logging_from_args
+
+        # As vLLM's command line does: --log-level, --log-config-file; kept in ``args`` for the
+        # API server processes.
+        configure_logging_from_args(args)
+        count = api_server_count(args)
         if count > 1:
             return _serve_many(args, settings, count)
         return _serve_one(args, settings)
