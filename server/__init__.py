@@ -15,9 +15,10 @@ Layout, in the order a request meets it:
                                keys) and when one may stay unread
     bregman_server.bregman     the Bregman fields of a parsed body (validation, merging)
     bregman_server.lifecycle   the open requests: drain on shutdown, cut on engine death
-    bregman_server.engine      vLLM's own OpenAI server in this process, or its engines and
-                               several API server processes (data parallelism)
-    bregman_server.serving     the drain's steps; uvicorn without its own signal handlers
+    bregman_server.serving     the server's lifecycle inside vLLM's server (drain on SIGTERM,
+                               engine-death policy), run by the middleware
+    bregman_server.engine      `bregman-serve`: vLLM's own launcher (one API server, or its
+                               engines and several API server processes) with our options
     bregman_server.cli         `bregman-serve` / ``python -m bregman_server.cli``: the server in
                                a session of its own (``python -m bregman_server``)
     bregman_server.settings    ServerSettings (pydantic-settings, env prefix BREGMAN_)

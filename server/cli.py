@@ -8,7 +8,9 @@ runs vLLM's own OpenAI server with the Bregman middleware (`bregman_server.engin
 several GPUs through vLLM's data parallelism, replicas behind vLLM's router (deploy/README.md).
 Our own flags are parsed with ``parse_known_args`` (abbreviations off, so a vLLM flag is never
 mistaken for a prefix of ours); every other argument goes to vLLM's own parser unchanged, in
-order. Flags win over ``BREGMAN_*`` environment variables.
+order. Flags win over ``BREGMAN_*`` environment variables. Four of our flags are vLLM's too:
+``--model``, ``--host`` and ``--port`` reach vLLM as given, and ``--log-level`` sets vLLM's log
+level as well as ours; ``--api-key`` is ours alone (it guards every route).
 
 The server runs in a child process in a session of its own (`supervise`): a SIGTERM sent to
 bregman-serve's whole process group (``kill -- -PGID``, some supervisors) then reaches the server
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import sys
 import time
 import typing
@@ -34,9 +35,6 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from .settings import ServerSettings
-
-logger = logging.getLogger("bregman_server")
-
 
 #: Fields shown in argparse groups, by the comment headings of `ServerSettings`.
 _GROUPS = {
@@ -83,7 +81,10 @@ def _argument(field: FieldInfo) -> dict[str, Any]:
     if annotation is bool:
         keywords.update(action="store_true")
     elif typing.get_origin(annotation) is Literal:
-        keywords.update(choices=list(typing.get_args(annotation)))
+        choices = list(typing.get_args(annotation))
+        keywords.update(choices=choices)
+        if all(isinstance(choice, str) and choice.islower() for choice in choices):
+            keywords.update(type=str.lower)  # vLLM's --log-level DEBUG is our debug
     elif annotation is int or kinds == {int}:
         keywords.update(type=int)
     elif annotation is float or kinds == {float}:
@@ -109,29 +110,17 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerSettings, list[
         parser.error(problems)
     if not settings.model:
         parser.error("--model is required")
+    if namespace.log_level is not None:  # vLLM's flag too: its log level follows ours
+        vllm_args = [*vllm_args, "--log-level", settings.log_level.upper()]
     return settings, vllm_args
-
-
-def configure_logging(level: str) -> None:
-    """The server's own log (logger ``bregman_server``, on stderr) at ``level``.
-
-    A handler of its own, not the root logger's: a library vLLM imports while it builds its app
-    (model_hosting_container_standards) sets the root logger and its handlers to ERROR."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    server_logger = logging.getLogger("bregman_server")
-    server_logger.handlers[:] = [handler]
-    server_logger.setLevel(level.upper())
-    server_logger.propagate = False
 
 
 def run(argv: Sequence[str] | None = None) -> int:
     """The server in this process (``python -m bregman_server``)."""
     settings, vllm_args = parse_args(argv)
-    configure_logging(settings.log_level)
-    from .engine import serve as serve_engine
+    from .engine import serve
 
-    return serve_engine(settings, vllm_args)
+    return serve(settings, vllm_args)
 
 
 #: Seconds the processes the server leaves behind get to exit before they are killed.

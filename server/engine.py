@@ -1,33 +1,45 @@
-"""`bregman-serve --model M`: vLLM's own OpenAI server in this process, with the Bregman middleware.
+"""`bregman-serve --model M`: vLLM's own launcher and OpenAI server, with the Bregman middleware.
 
-vLLM's FastAPI app (every route vLLM serves), its engine client, and `BregmanMiddleware` as the
-outermost ASGI layer, on one listening port. The steps of `serve`, in order:
+What runs, in order (ours in `serve`, the rest vLLM's):
 
-1. ``PROMETHEUS_MULTIPROC_DIR`` is set (a fresh temporary directory) before vLLM or
-   prometheus_client is imported, so that /metrics collects vLLM's ``vllm:*``, the server's
-   ``bregman_server_*`` and the processor's ``bregman_processor_failures_total`` (written by
-   the engine processes) together, summed over every process.
-2. vLLM's own argument parser reads ``--model`` and every vLLM argument passed through, and the
-   middleware is appended to vLLM's ``--middleware`` list, configured with our settings
-   (`configure_process`).
-3. One API server (the default): vLLM builds its engine client (which starts the engine
-   processes, one per data-parallel rank), its app and the app state exactly as ``vllm serve``
-   does; uvicorn then serves the app with our bounded h11 protocol (`bregman_server.limits`) in
-   this process. Several (``--api-server-count M``, by default the data-parallel size, as in
-   ``vllm serve``): this process starts the engines and M API server processes as vLLM's
-   ``run_multi_api_server`` does, and each of them runs step 3's server (`_api_server`) on the
-   one shared socket, with the middleware, our settings and its own `Lifecycle`.
-4. Once it serves, one line on stdout: ``bregman-serve ready on http://HOST:PORT (vLLM X,
-   model M)``.
-5. SIGTERM / SIGINT: new requests get 503 (and /health 503), open ones have
-   ``graceful_timeout`` seconds to finish; then each stream still open ends with an error
-   event and ``data: [DONE]``, each request still waiting gets a 503; the HTTP server stops,
-   then the engine. Exit status 0. With several API servers, this process passes the signal to
-   each of them, waits for their drains, then stops the engines.
-6. If the engine dies: at once /health and new requests get 503 and open requests are ended as
-   in 5; after ``engine_exit_grace`` seconds the process stops every engine process it started
-   and exits with status 3 (so that a supervisor restarts it). With several API servers, the
-   process that started the engines tells each of them (`ENGINE_DIED_SIGNAL`).
+1. The process environment vLLM reads (`_environment`): ``PROMETHEUS_MULTIPROC_DIR`` (a fresh
+   temporary directory, before vLLM or prometheus_client is imported, so that /metrics sums
+   vLLM's ``vllm:*``, the server's ``bregman_server_*`` and the engine processes' Bregman
+   metrics), the CPU build's KV cache, the model runner (`MODEL_RUNNER_V2`), and
+   ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1`` so that our engine-death policy decides.
+2. vLLM's own argument parser and checks (`vllm_namespace`): ``--model`` and every vLLM argument
+   mean what they mean in ``vllm serve``; our middleware is appended to ``--middleware``
+   (outermost) and configured with our settings (`configure_process`).
+3. vLLM's own launcher: one API server (``run_server``, what ``vllm serve`` runs), or the engines
+   and several API servers (`_serve_many`). Our uvicorn options (`limits.uvicorn_options`: the
+   bounded h11 protocol) go through the keyword arguments it passes to uvicorn; TLS, parser
+   plugins, log configs, h11 limits, the app and its state are vLLM's.
+4. Inside vLLM's server the middleware runs our lifecycle (`bregman_server.serving`): the ready
+   line ``bregman-serve ready on http://HOST:PORT (vLLM X, model M)`` once it serves, the drain
+   on SIGTERM / SIGINT (503s, open requests given ``graceful_timeout`` seconds, then ended in
+   OpenAI's shape; the HTTP server stops, then the engine; exit status 0), and the engine-death
+   policy (503 ``engine_dead``, open requests ended, exit status 3 after ``engine_exit_grace``
+   seconds, every process it started stopped).
+
+Where vLLM's launcher cannot take what is ours:
+
+* Several API servers (``--api-server-count M``, by default the data-parallel size as in ``vllm
+  serve``): vLLM's ``run_multi_api_server`` starts each with no uvicorn options (it does not pass
+  ``APIServerProcessManager``'s ``target_server_fn``), gives them ``--shutdown-timeout`` seconds
+  (0 by default) after a signal before killing them, which cuts the drain short, and when an
+  engine dies kills them 5 s later with exit status 1 without telling them (their engine
+  clients did not start the engines and never see the death). `_serve_many` is that function
+  with those three differences; each API server is vLLM's own ``run_api_server_worker_proc``,
+  with our settings, lifecycle and exit status around it (`_api_server_process`).
+* Uvicorn's keep-alive, which ``build_and_serve`` takes from ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``
+  (whole seconds): our protocol applies ``--keep-alive-timeout``. ``--max-header-bytes`` becomes
+  vLLM's ``--h11-max-incomplete-event-size`` unless that is given.
+* Our ``--api-key`` guards every route; vLLM's own check (``/v1`` and three other prefixes, in
+  another error shape) is not set.
+* Modes without an HTTP server of vLLM's for the middleware (``--headless``,
+  ``--data-parallel-multi-port-external-lb``, ``--grpc``) are refused, as is speculative decoding
+  under vLLM's V1 model runner, which drops the Bregman processor
+  (`bregman_server.routes.processor_dropped`).
 
 `bregman-serve` itself runs all this in a child process in a session of its own
 (`bregman_server.cli.supervise`), so that a signal sent to its whole process group reaches the
@@ -37,34 +49,38 @@ server once and never vLLM's engine processes directly. Exit status 1 if vLLM co
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
+import importlib
 import json
 import logging
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from .settings import ServerSettings
 
-# `bregman_server.middleware` and `.lifecycle` (and with them prometheus_client) are imported once
-# PROMETHEUS_MULTIPROC_DIR is set: prometheus_client picks its storage when it is imported.
+# `bregman_server.middleware`, `.lifecycle` and `.limits` (and with them prometheus_client) are
+# imported once PROMETHEUS_MULTIPROC_DIR is set: prometheus_client picks its storage when it is
+# imported.
 logger = logging.getLogger("bregman_server")
 
 #: The import path vLLM loads the middleware from (``--middleware``).
 MIDDLEWARE_PATH = "bregman_server.middleware.BregmanMiddleware"
-#: Exit status when the engine died while serving.
-ENGINE_DIED_EXIT_CODE = 3
 #: What `_serve_many` sends its API servers when an engine process (or vLLM's data-parallel
 #: coordinator) has died: their engine clients, which did not start the engines, cannot see it.
 ENGINE_DIED_SIGNAL = signal.SIGUSR1
-#: How often the engine's health is looked at, seconds.
+#: How often `_serve_many` looks at its processes, seconds.
 WATCH_INTERVAL = 0.2
+#: ``VLLM_USE_V2_MODEL_RUNNER`` unless the environment sets it: "0" is vLLM's V1 model runner,
+#: on which the Bregman processor's engine tests run (deploy/README.md#model-runner-v1-or-v2).
+MODEL_RUNNER_V2 = "0"
 # Engine flags that mean "the user chose the prefill batching": then we add nothing.
 _PREFILL_FLAGS = ("--enable-chunked-prefill", "--no-enable-chunked-prefill",
                   "--max-num-batched-tokens")
@@ -82,6 +98,16 @@ def vllm_is_cpu_build() -> bool:
     except metadata.PackageNotFoundError:
         return False
     return True
+
+
+def vllm_cli_args() -> ModuleType:
+    """vLLM's module of ``vllm serve``'s arguments (``make_arg_parser``, its checks):
+    ``vllm.entrypoints.common.cli_args`` since 0.33, ``vllm.entrypoints.launchers.cli_args``
+    in 0.32."""
+    try:
+        return importlib.import_module("vllm.entrypoints.common.cli_args")
+    except ImportError:
+        return importlib.import_module("vllm.entrypoints.launchers.cli_args")
 
 
 def _flag_value(args: Sequence[str], flag: str) -> str | None:
@@ -141,29 +167,43 @@ def vllm_argv(settings: ServerSettings, vllm_args: Sequence[str]) -> list[str]:
             *args]
 
 
+def uses_model_runner_v2() -> bool:
+    """Whether vLLM's engines will run Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER``, read as
+    vLLM reads it, else `MODEL_RUNNER_V2`)."""
+    return os.environ.get("VLLM_USE_V2_MODEL_RUNNER", MODEL_RUNNER_V2).lower() in ("1", "true")
+
+
 def vllm_namespace(settings: ServerSettings, vllm_args: Sequence[str]) -> argparse.Namespace:
-    """vLLM's own parse of the arguments (``python -m vllm.entrypoints.openai.api_server``'s
-    parser and checks), with our middleware appended. Exits with status 2 on bad arguments."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    """vLLM's own parse of the arguments (``vllm serve``'s parser and checks), with our
+    middleware appended. Exits with status 2 on bad arguments."""
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = make_arg_parser(FlexibleArgumentParser(prog="bregman-serve (vLLM arguments)"))
+    from .routes import processor_dropped
+
+    cli_args = vllm_cli_args()
+    parser = cli_args.make_arg_parser(FlexibleArgumentParser(prog="bregman-serve (vLLM arguments)"))
+    parser.set_defaults(h11_max_incomplete_event_size=None)  # None: not given
     args = parser.parse_args(vllm_argv(settings, vllm_args))
     try:
-        validate_parsed_serve_args(args)
+        cli_args.validate_parsed_serve_args(args)
     except (ValueError, KeyError) as error:  # vLLM's checks of combinations of flags
         parser.error(str(error))
-    # Modes with no HTTP server of ours to put the middleware in: vLLM's own `vllm serve` runs
+    # Modes with no HTTP server of vLLM's to put the middleware in: vLLM's own `vllm serve` runs
     # them (its processes load the Bregman processor, an entry point, all the same).
     for flag in ("--headless", "--data-parallel-multi-port-external-lb", "--grpc"):
         if getattr(args, flag[2:].replace("-", "_"), False):
             parser.error(f"{flag} is not supported by bregman-serve; run vLLM's own `vllm "
                          "serve` for it (deploy/README.md)")
+    dropped = processor_dropped(args.speculative_config, uses_model_runner_v2())
+    if dropped:
+        parser.error(dropped)
     if MIDDLEWARE_PATH not in args.middleware:
         args.middleware.append(MIDDLEWARE_PATH)
     # Our middleware holds the key for every route; vLLM's own check (on /v1 only, in another
     # error shape) would only answer first.
     args.api_key = None
+    if args.h11_max_incomplete_event_size is None:
+        args.h11_max_incomplete_event_size = settings.max_header_bytes
     return args
 
 
@@ -172,15 +212,28 @@ def _environment(settings: ServerSettings) -> str | None:
     if vllm_is_cpu_build():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_space_gib))
     # vLLM would stop the HTTP server at the first request that finds its engine dead; our own
-    # policy (step 6 above: 503s, open requests ended in OpenAI's shape, then exit 3) decides.
+    # policy (503s, open requests ended in OpenAI's shape, then exit 3) decides.
     os.environ["VLLM_KEEP_ALIVE_ON_ENGINE_DEATH"] = "1"
-    # The Bregman processor's engine tests run on vLLM's V1 model runner (deploy/README.md).
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", MODEL_RUNNER_V2)
+    os.environ.pop("VLLM_API_KEY", None)  # our key guards the routes (see `vllm_namespace`)
     if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
         return None
     directory = tempfile.mkdtemp(prefix="bregman-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
     return directory
+
+
+def configure_logging(level: str) -> None:
+    """The server's own log (logger ``bregman_server``, on stderr) at ``level``.
+
+    A handler of its own, not the root logger's: a library vLLM imports while it builds its app
+    (model_hosting_container_standards) sets the root logger and its handlers to ERROR."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    server_logger = logging.getLogger("bregman_server")
+    server_logger.handlers[:] = [handler]
+    server_logger.setLevel(level.upper())
+    server_logger.propagate = False
 
 
 def api_server_count(args: argparse.Namespace) -> int:
@@ -198,26 +251,32 @@ def api_server_count(args: argparse.Namespace) -> int:
 
 def serve(settings: ServerSettings, vllm_args: Sequence[str]) -> int:
     """Run the server until SIGTERM / SIGINT or the engine's death; the exit status."""
+    configure_logging(settings.log_level)
     metrics_dir = _environment(settings)
-    os.environ.pop("VLLM_API_KEY", None)  # our key guards the routes (see `vllm_namespace`)
-    args = vllm_namespace(settings, vllm_args)
-    count = api_server_count(args)
     try:
+        args = vllm_namespace(settings, vllm_args)
+        from vllm.logger import configure_logging_from_args
+
+        # As vLLM's command line does: --log-level, --log-config-file; kept in ``args`` for the
+        # API server processes.
+        configure_logging_from_args(args)
+        count = api_server_count(args)
         if count > 1:
             return _serve_many(args, settings, count)
-        import uvloop
-
-        return uvloop.run(_api_server(args, settings))
+        return _serve_one(args, settings)
     except KeyboardInterrupt:  # a signal while vLLM was still starting
         return 0
+    except Exception:
+        logger.exception("vLLM could not start")
+        return 1
     finally:
         _stop_children()
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def ready_line(address: tuple[Any, ...] | str, args: argparse.Namespace, api_servers: int = 1
-               ) -> str:
+def ready_line(address: tuple[Any, ...] | str, tls: bool, args: argparse.Namespace,
+               api_servers: int = 1) -> str:
     """The line printed once the server serves (``address``: the listening socket's)."""
     from vllm.version import __version__
 
@@ -225,7 +284,7 @@ def ready_line(address: tuple[Any, ...] | str, args: argparse.Namespace, api_ser
         url = f"unix:{address}"
     else:
         host = address[0]
-        url = f"http://{f'[{host}]' if ':' in host else host}:{address[1]}"
+        url = f"http{'s' if tls else ''}://{f'[{host}]' if ':' in host else host}:{address[1]}"
     model = args.served_model_name[0] if args.served_model_name else args.model
     scale = ""
     if args.data_parallel_size > 1 or api_servers > 1:
@@ -233,95 +292,50 @@ def ready_line(address: tuple[Any, ...] | str, args: argparse.Namespace, api_ser
     return f"bregman-serve ready on {url} (vLLM {__version__}, model {model}{scale})"
 
 
-async def _api_server(args: argparse.Namespace, settings: ServerSettings,
-                      sock: Any = None, client_config: dict[str, Any] | None = None,
-                      ready: Any = None) -> int:
-    """One API server: vLLM's app behind the middleware, in this process, until SIGTERM /
-    SIGINT or the engine's death; the exit status. Alone it builds the engine client that
-    starts the engines; as one of several (`_serve_many`) it gets the shared socket, vLLM's
-    ``client_config`` for the engines already started, and a shared counter to add itself to
-    once it serves."""
-    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
-    from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.launcher import NoSignalServer, setup_server
+def _serve_one(args: argparse.Namespace, settings: ServerSettings) -> int:
+    """One API server in this process: vLLM's ``run_server``, with the middleware's settings
+    and lifecycle and our uvicorn options."""
+    import uvloop
+    from vllm.entrypoints.launchers.api_server.entry import run_server
 
     from .lifecycle import Lifecycle
-    from .limits import uvicorn_config
+    from .limits import uvicorn_options
     from .middleware import configure_process
-    from .serving import end_open_requests
 
-    lifecycle = Lifecycle()
+    def announce(server: Any) -> None:
+        _remember_engine_processes()
+        address = server.servers[0].sockets[0].getsockname()
+        print(ready_line(address, server.config.is_ssl, args), flush=True)
+
+    lifecycle = Lifecycle(on_serving=announce)
     configure_process(settings, lifecycle)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    # As one of several API servers: the engines are not this process's children, and the
-    # process that started them says when one died.
-    engine_dead = asyncio.Event()
-    loop.add_signal_handler(ENGINE_DIED_SIGNAL, engine_dead.set)
+    uvloop.run(run_server(args, **uvicorn_options(settings)))
+    return lifecycle.exit_status if lifecycle.serving else 1
 
-    if sock is None:
-        _, sock = setup_server(args, reuse_port=False)
-    client_config = dict(client_config or {})
-    # Several API servers on one socket: a connection goes to the least loaded (vLLM's server).
-    loads = client_config.pop("api_server_loads", None)
-    peer_loads = None if loads is None else (loads, client_config["client_index"])
-    status = 0
-    try:
-        async with build_async_engine_client(args, client_config=client_config) as engine:
-            _remember_engine_processes()
-            supported_tasks = await engine.get_supported_tasks()
-            app = build_app(args, supported_tasks, engine.model_config)
-            await init_app_state(engine, app.state, args, supported_tasks)
-            config = uvicorn_config(app, settings, log_level=args.uvicorn_log_level,
-                                    access_log=not args.disable_uvicorn_access_log)
-            server = NoSignalServer(config, peer_loads=peer_loads)
-            app.state.server = server
-            serving = loop.create_task(server.serve(sockets=[sock]))
-            while not (server.started or serving.done() or stop.is_set()):
-                await asyncio.sleep(0.05)
-            if server.started:
-                if ready is None:
-                    print(ready_line(sock.getsockname(), args), flush=True)
-                else:
-                    with ready.get_lock():
-                        ready.value += 1
-            engine_died = loop.create_task(_engine_death(engine, engine_dead))
-            stopping = loop.create_task(stop.wait())
-            done, _ = await asyncio.wait({serving, engine_died, stopping},
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if engine_died in done:
-                status = ENGINE_DIED_EXIT_CODE
-                await end_open_requests(
-                    lifecycle, "engine_dead", "The vLLM engine died; this server is restarting.",
-                    grace=0.0)
-                logger.error("the vLLM engine died: exiting with status %d in %g s",
-                             status, settings.engine_exit_grace)
-                await asyncio.sleep(settings.engine_exit_grace)
-            elif stopping in done:
-                logger.info("shutting down: %g s for open requests", settings.graceful_timeout)
-                await end_open_requests(
-                    lifecycle, "shutdown", "The server is shutting down.",
-                    grace=settings.graceful_timeout)
-            server.should_exit = True
-            for task in (engine_died, stopping):
-                task.cancel()
-            await serving
-            if not server.started and status == 0:
-                status = 1
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        pass
-    except Exception:
-        if stop.is_set():  # SIGTERM while vLLM was starting: its engine stopped on it
-            logger.info("stopped while vLLM was starting")
-            return 0
-        logger.exception("vLLM could not start")
-        return 1
-    finally:
-        sock.close()
-    return status
+
+def _api_server_process(listen_address: str, sock: Any, args: argparse.Namespace,
+                        client_config: dict[str, Any]) -> None:
+    """The body of each API server process `_serve_many` starts: vLLM's own
+    (``run_api_server_worker_proc``) with the middleware's settings and lifecycle, our uvicorn
+    options, and the lifecycle's exit status."""
+    from vllm.v1.utils import run_api_server_worker_proc
+
+    from .lifecycle import Lifecycle
+    from .limits import uvicorn_options
+    from .middleware import configure_process
+
+    settings, ready = args.bregman
+    configure_logging(settings.log_level)
+
+    def count_in(server: Any) -> None:
+        with ready.get_lock():
+            ready.value += 1
+
+    lifecycle = Lifecycle(on_serving=count_in, engine_died_signal=ENGINE_DIED_SIGNAL)
+    configure_process(settings, lifecycle)
+    run_api_server_worker_proc(listen_address, sock, args, client_config,
+                               **uvicorn_options(settings))
+    sys.exit(lifecycle.exit_status if lifecycle.serving else 1)
 
 
 #: Seconds an API server may take past its drain (the cut, uvicorn's own shutdown, the engine
@@ -331,22 +345,22 @@ API_SERVER_STOP_MARGIN = 10.0
 
 def _serve_many(args: argparse.Namespace, settings: ServerSettings, count: int) -> int:
     """The engines and ``count`` API server processes on one socket, as vLLM's
-    ``run_multi_api_server`` starts them, each API server running `_api_server` (vLLM's would
-    lack our middleware's settings, lifecycle and signal handling). This process only watches:
-    a signal is passed on to every API server, which drains; when an engine dies it tells them
-    (`ENGINE_DIED_SIGNAL`), and they answer 503 and exit with status 3. The engines stop
-    last."""
+    ``run_multi_api_server`` starts them (with the differences of the module docstring). This
+    process only watches: a signal is passed on to every API server, which drains; when an
+    engine dies it tells them (`ENGINE_DIED_SIGNAL`), and they answer 503 and exit with status
+    3. The engines stop last."""
     import multiprocessing
     import threading
     from multiprocessing import connection
 
     import vllm
-    from vllm.entrypoints.launchers.cli_args import propagate_flash_late_interaction
     from vllm.entrypoints.launchers.launcher import setup_server
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.utils import bind_engine_zmq_listeners, launch_core_engines
     from vllm.v1.executor import Executor
     from vllm.v1.utils import APIServerProcessManager
+
+    from .lifecycle import ENGINE_DIED_EXIT_CODE
 
     stop = threading.Event()
     serving = False
@@ -359,9 +373,9 @@ def _serve_many(args: argparse.Namespace, settings: ServerSettings, count: int) 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
 
-    _, sock = setup_server(args, reuse_port=True)
+    listen_address, sock = setup_server(args, reuse_port=True)
     engine_args = vllm.AsyncEngineArgs.from_cli_args(args)
-    propagate_flash_late_interaction(args, engine_args)
+    vllm_cli_args().propagate_flash_late_interaction(args, engine_args)
     engine_args._api_process_count = count
     engine_args._api_process_rank = -1
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
@@ -374,7 +388,7 @@ def _serve_many(args: argparse.Namespace, settings: ServerSettings, count: int) 
                              listeners.addresses) as launch:
         coordinator = launch.coordinator
         api = APIServerProcessManager(
-            listen_address="", sock=sock, args=args, num_servers=count,
+            listen_address=listen_address, sock=sock, args=args, num_servers=count,
             input_listeners=listeners.inputs, output_listeners=listeners.outputs,
             target_server_fn=_api_server_process,
             stats_update_address=coordinator.get_stats_publish_address() if coordinator
@@ -391,7 +405,8 @@ def _serve_many(args: argparse.Namespace, settings: ServerSettings, count: int) 
     ended: list[Any] = []
     while not (stop.is_set() or ended):
         if not announced and ready.value == count:
-            print(ready_line(sock.getsockname(), args, count), flush=True)
+            tls = bool(args.ssl_keyfile and args.ssl_certfile)
+            print(ready_line(sock.getsockname(), tls, args, count), flush=True)
             announced = True
         ended = [watched[sentinel] for sentinel in connection.wait(list(watched), WATCH_INTERVAL)]
     status = 0
@@ -423,31 +438,6 @@ def _serve_many(args: argparse.Namespace, settings: ServerSettings, count: int) 
     if coordinator is not None:
         coordinator.shutdown(timeout=vllm_config.shutdown_timeout)
     return status
-
-
-def _api_server_process(listen_address: str, sock: Any, args: argparse.Namespace,
-                        client_config: dict[str, Any]) -> None:
-    """The body of each API server process `_serve_many` starts (vLLM's
-    ``run_api_server_worker_proc`` with `_api_server`)."""
-    import sys
-
-    import uvloop
-    from vllm.utils.system_utils import decorate_logs, set_process_title
-
-    from .cli import configure_logging
-
-    settings, ready = args.bregman
-    configure_logging(settings.log_level)
-    set_process_title("APIServer", str(client_config.get("client_index", 0)))
-    decorate_logs()
-    sys.exit(uvloop.run(_api_server(args, settings, sock, client_config, ready)))
-
-
-async def _engine_death(engine: Any, dead: asyncio.Event) -> None:
-    """Returns once the engine is dead: vLLM marks its client ``errored``, or ``dead`` is set
-    (`ENGINE_DIED_SIGNAL`)."""
-    while not (engine.errored or dead.is_set()):
-        await asyncio.sleep(WATCH_INTERVAL)
 
 
 #: vLLM's engine processes, seen once the engine is up. A process whose parent died (a worker

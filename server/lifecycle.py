@@ -1,10 +1,11 @@
 """The requests a server is serving, and how they end: drain on shutdown, cut on engine death.
 
-`Lifecycle` holds every open request (`Flight`: what its response has sent so far) and whether
-the server still takes new ones. `bregman_server.engine` drives it: on SIGTERM it refuses new
-requests, drains the open ones for the grace period, then cuts the rest; when the engine dies it
-cuts at once. A cut request ends in OpenAI's shape: a 503 if nothing was sent yet, an error
-event and ``data: [DONE]`` for a stream that had started.
+`Lifecycle` holds every open request (`Flight`: what its response has sent so far), whether
+the server still takes new ones, and how its process should end. `bregman_server.serving`
+drives it from inside vLLM's server: on SIGTERM it refuses new requests, drains the open ones
+for the grace period, then cuts the rest; when the engine dies it cuts at once. A cut request
+ends in OpenAI's shape: a 503 if nothing was sent yet, an error event and ``data: [DONE]`` for a
+stream that had started.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ from .errors import sse_error_event, unavailable
 from .metrics import metrics
 
 _timeout = getattr(asyncio, "timeout", None)
+
+#: Exit status of a server whose engine died while it served (so that a supervisor restarts it).
+ENGINE_DIED_EXIT_CODE = 3
+#: The two reasons a server ends requests: (code, message).
+SHUTDOWN = ("shutdown", "The server is shutting down.")
+ENGINE_DEAD = ("engine_dead", "The vLLM engine died; this server is restarting.")
 
 
 class Cut(Exception):
@@ -126,15 +133,24 @@ class Flight:
 
 
 class Lifecycle:
-    """The requests a server is serving, and whether it takes new ones.
+    """The requests a server is serving, whether it takes new ones, and how it ends.
 
     `refuse` stops new requests (503; /health 503); `drain` waits for open ones; `cut` ends
     every open one now (`Flight.finish`). One instance per server, shared by its middleware.
+    The process that runs the server may ask to hear when it serves (``on_serving``, called
+    with uvicorn's server), name a signal that means "the engine died" (``engine_died_signal``:
+    several API servers, whose engine clients cannot see it), and read how it ended
+    (``serving``: whether it ever served; ``exit_status``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_serving: Callable[[Any], None] | None = None,
+                 engine_died_signal: int | None = None) -> None:
         self.flights: dict[asyncio.Task[Any], Flight] = {}
         self.refusing: Cut | None = None
+        self.on_serving = on_serving
+        self.engine_died_signal = engine_died_signal
+        self.serving = False
+        self.exit_status = 0
 
     def refuse(self, reason: str, message: str) -> None:
         """Answer new requests with 503 from now on (the first reason stays)."""

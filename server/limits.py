@@ -23,17 +23,24 @@ on h11 through `BoundedH11Protocol`, which adds, per connection:
    from the end of its head), also when the app answered without reading it: the middleware's
    own body deadline answers 408 first, this one closes what remains;
 5. OpenAI-shaped JSON bodies for these answers and for malformed requests (400), instead of
-   uvicorn's plain text.
+   uvicorn's plain text;
+6. vLLM's ``--h11-max-header-count`` (at most that many header fields, 431), which vLLM hands
+   to uvicorn's config and uvicorn's own protocols ignore.
 
-The body size, the silence between body bytes and slow readers are bounded in the ASGI
-middleware (`bregman_server.middleware`), where the request is known.
+`uvicorn_options` are the keyword arguments `bregman-serve` passes through vLLM's launcher to
+its uvicorn (``build_and_serve(..., **uvicorn_kwargs)``): the protocol class bound to our
+settings (`BoundedH11Protocol.bound`), whose keep-alive is ``keep_alive_timeout``; the head size
+is uvicorn's ``h11_max_incomplete_event_size`` (vLLM's ``--h11-max-incomplete-event-size``,
+which `bregman-serve` sets to ``max_header_bytes`` unless given). The body size, the silence
+between body bytes and slow readers are bounded in the ASGI middleware
+(`bregman_server.middleware`), where the request is known.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, ClassVar
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -147,23 +154,35 @@ class Room:
 class BoundedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a head deadline, a connection cap and JSON error bodies.
 
-    The limits come from the uvicorn ``Config`` built by `uvicorn_config` (attributes
-    ``bregman_header_timeout``, ``bregman_body_deadline`` and ``bregman_max_connections``).
+    The limits are those of ``settings``, a class attribute: uvicorn builds the protocol from
+    its class alone, so each server runs a subclass bound to its settings (`bound`). The head
+    size and the header count are uvicorn's config's (vLLM's flags).
     """
+
+    settings: ClassVar[ServerSettings]
+
+    @classmethod
+    def bound(cls, settings: ServerSettings) -> type[BoundedH11Protocol]:
+        """This protocol with the limits of ``settings``."""
+        return type(cls.__name__, (cls,), {"settings": settings})
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
-        self._header_timeout: float = config.bregman_header_timeout
-        self._body_deadline: float = config.bregman_body_deadline + BODY_GRACE
+        settings = self.settings
+        self.timeout_keep_alive = settings.keep_alive_timeout
+        self._header_timeout: float = settings.header_timeout
+        self._body_deadline: float = settings.body_deadline + BODY_GRACE
         self._max_head: int = config.h11_max_incomplete_event_size
+        self._max_fields: int | None = getattr(config, "h11_max_header_count", None)
         room = getattr(self.server_state, "bregman_room", None)
         if room is None:  # one per server: every connection of it shares the room
-            room = Room(config.bregman_max_connections, self.connections)
+            room = Room(settings.max_connections, self.connections)
             self.server_state.bregman_room = room
         self._room: Room = room
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._head_seen = 0  # bytes of the current head so far
+        self._head_lines = 0  # its lines so far (the request line and header fields)
         self._head_tail = b""  # its last bytes, where a blank line may begin
         self.waiting_since = 0.0  # when it began to wait for its current request
         self._body_since = 0.0  # when the current request's head was complete
@@ -182,11 +201,10 @@ class BoundedH11Protocol(H11Protocol):
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
-        if self.conn.their_state is h11.IDLE and self._head_too_long(data):
+        if self.conn.their_state is h11.IDLE and (problem := self._head_too_long(data)):
             self._disarm_head_timer()
-            self._answer(431, _json(
-                431, f"Request line and headers larger than {self._max_head} bytes.",
-                "invalid_request_error", "request_header_fields_too_large"))
+            self._answer(431, _json(431, problem, "invalid_request_error",
+                                    "request_header_fields_too_large"))
             return
         before = self.conn.their_state
         super().data_received(data)
@@ -275,17 +293,23 @@ class BoundedH11Protocol(H11Protocol):
 
     # --- helpers ---------------------------------------------------------------------------
 
-    def _head_too_long(self, data: bytes) -> bool:
-        """Whether the head being received (up to its blank line) passes the limit. h11's own
-        limit only counts a head that is still incomplete, so a whole head in one read would
-        pass it."""
+    def _head_too_long(self, data: bytes) -> str | None:
+        """Why the head being received (up to its blank line) passes a limit (its size, its
+        number of header fields), or None. h11's own size limit only counts a head that is still
+        incomplete, so a whole head in one read would pass it."""
         window = self._head_tail + data
         end = window.find(b"\r\n\r\n")
         seen = self._head_seen + (len(data) if end < 0 else end + 4 - len(self._head_tail))
         if seen > self._max_head:
-            return True
-        self._head_seen, self._head_tail = (seen, window[-3:]) if end < 0 else (0, b"")
-        return False
+            return f"Request line and headers larger than {self._max_head} bytes."
+        # Line ends so far, those of the tail (the last bytes already counted) excepted.
+        lines = self._head_lines + (window if end < 0 else window[:end + 2]).count(b"\r\n") \
+            - self._head_tail.count(b"\r\n")
+        if self._max_fields is not None and lines - 1 > self._max_fields:
+            return f"More than {self._max_fields} header fields."
+        self._head_seen, self._head_lines, self._head_tail = (
+            (seen, lines, window[-3:]) if end < 0 else (0, 0, b""))
+        return None
 
     def _head_too_large(self) -> bool:
         buffered = getattr(self.conn, "_receive_buffer", b"")
@@ -336,20 +360,24 @@ class BoundedH11Protocol(H11Protocol):
         self._close()
 
 
-def uvicorn_config(app: Any, settings: ServerSettings, **overrides: Any) -> Any:
-    """The uvicorn ``Config`` of our servers: h11 with `BoundedH11Protocol` and our limits."""
+def uvicorn_options(settings: ServerSettings) -> dict[str, Any]:
+    """What our servers add to uvicorn's configuration (the keyword arguments `bregman-serve`
+    passes through vLLM's launcher): `BoundedH11Protocol` with the limits of ``settings``."""
+    return dict(http=BoundedH11Protocol.bound(settings), lifespan="on",
+                # Our own drain (`bregman_server.serving`) runs before uvicorn's shutdown starts.
+                timeout_graceful_shutdown=2.0)
+
+
+def uvicorn_config(app: Any, settings: ServerSettings, h11_max_header_count: int | None = None,
+                   **overrides: Any) -> Any:
+    """A uvicorn ``Config`` serving ``app`` on our settings' address with `uvicorn_options` (the
+    stand-in servers of the tests; `bregman-serve` runs vLLM's own)."""
     import uvicorn
 
     options: dict[str, Any] = dict(
         host=settings.host, port=settings.port, log_level=settings.log_level,
-        access_log=settings.access_log, timeout_keep_alive=settings.keep_alive_timeout,
-        # Our own drain (`bregman_server.engine`) runs before uvicorn's shutdown starts.
-        timeout_graceful_shutdown=2.0,
-        h11_max_incomplete_event_size=settings.max_header_bytes,
-        http=BoundedH11Protocol, lifespan="on")
+        h11_max_incomplete_event_size=settings.max_header_bytes, **uvicorn_options(settings))
     options.update(overrides)
     config = uvicorn.Config(app, **options)
-    config.bregman_header_timeout = settings.header_timeout  # type: ignore[attr-defined]
-    config.bregman_max_connections = settings.max_connections  # type: ignore[attr-defined]
-    config.bregman_body_deadline = settings.body_deadline  # type: ignore[attr-defined]
+    config.h11_max_header_count = h11_max_header_count  # type: ignore[attr-defined]
     return config

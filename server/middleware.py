@@ -9,10 +9,13 @@ runs vLLM's server in its own process with it. vLLM adds middleware named on the
 last, so this one is the outermost layer: it sees every request before vLLM's routes and
 middleware do.
 
-At the server's start (the ASGI lifespan) it puts the engine processes' Bregman metrics (k*,
-exact path, failures) on vLLM's ``/metrics`` (`bregman_server.metrics.attach_engine_metrics`),
-and takes them off when the server stops. On the first request it reads the app it wraps
-(``scope["app"]``, vLLM's FastAPI app): which routes take the Bregman fields
+At the server's start (the ASGI lifespan) it refuses to start a server whose engine would drop
+the Bregman processor (`bregman_server.routes.processor_dropped`: speculative decoding under
+vLLM's V1 model runner), puts the engine processes' Bregman metrics (k*, exact path, failures)
+on vLLM's ``/metrics`` (`bregman_server.metrics.attach_engine_metrics`), and runs the server's
+lifecycle inside vLLM's server (`bregman_server.serving.run_lifecycle`: the drain on SIGTERM,
+the engine-death policy); the metrics go when the server stops. On the first request it reads
+the app it wraps (``scope["app"]``, vLLM's FastAPI app): which routes take the Bregman fields
 (`bregman_server.routes`) and whether vLLM's CORS layer answers preflights inside it. Then each
 HTTP request, in order:
 
@@ -69,9 +72,10 @@ from .jsonbody import (
     parse_json_body,
     refuse_special,
 )
-from .lifecycle import Cut, Flight, Lifecycle, SlowClient
+from .lifecycle import ENGINE_DEAD, Cut, Flight, Lifecycle, SlowClient
 from .metrics import attach_engine_metrics, detach_engine_metrics, metrics
-from .routes import FORM, Routes, honoured_routes
+from .routes import FORM, Routes, honoured_routes, processor_dropped
+from .serving import run_lifecycle
 from .settings import ServerSettings
 
 logger = logging.getLogger("bregman_server")
@@ -372,12 +376,31 @@ class BregmanMiddleware:
         return mode, {**scope, "headers": headers}, raw
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The server's start and stop: the engine's metrics on /metrics while it runs."""
+        """The server's start and stop: no start if the engine dropped the processor; the
+        engine's metrics on /metrics and our lifecycle while it runs."""
+        app = scope.get("app")
+        config = getattr(getattr(app, "state", None), "vllm_config", None)
+        dropped = config is not None and processor_dropped(
+            config.speculative_config, config.use_v2_model_runner)
+        if dropped:
+            await receive()  # lifespan.startup
+            await send({"type": "lifespan.startup.failed", "message": dropped})
+            return
         self._engine_metrics_ready = True
-        directory = attach_engine_metrics(scope.get("app"))
+        directory = attach_engine_metrics(app)
+        running: asyncio.Task[None] | None = None
+
+        async def started(message: Message) -> None:
+            nonlocal running
+            if message["type"] == "lifespan.startup.complete":
+                running = asyncio.create_task(run_lifecycle(self.lifecycle, self.settings, app))
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, started)
         finally:
+            if running is not None:
+                running.cancel()
             if directory is not None:
                 detach_engine_metrics(directory)
 
@@ -407,7 +430,7 @@ class BregmanMiddleware:
                 return None
             self._engine = engine
         if engine.errored:
-            return Cut("engine_dead", "The vLLM engine died; this server is restarting.")
+            return Cut(*ENGINE_DEAD)
         return None
 
     def _websocket_allowed(self, scope: Scope) -> bool:

@@ -4,21 +4,27 @@ A route takes them when its request body becomes a `SamplingParams` the client c
 `honoured_routes` reads the route table of vLLM's FastAPI app (the middleware calls it once,
 on the first request, with ``scope["app"]``), so that a vLLM upgrade cannot add a route that
 silently skips the fields or the server defaults. For each POST route, the request model FastAPI
-validates the body with (each member of a union) decides, in this order:
+validates the body with (each member of a union) decides, by what it declares:
 
 1. it declares ``vllm_xargs`` (vLLM copies it into ``SamplingParams.extra_args``): the fields
    go into ``vllm_xargs`` (`VLLM_XARGS`): /v1/completions, /v1/chat/completions,
    /v1/responses, /v1/messages and their /render routes;
 2. it declares a field of type ``vllm.sampling_params.SamplingParams``: into that field's
-   ``extra_args`` (/inference/v1/generate, token in, token out);
-3. it allows extra fields and converts itself into a model of kind 1 (a method annotated to
-   return one): into ``vllm_xargs``, which the conversion carries over
-   (/v1/chat/completions/batch: ``BatchChatCompletionRequest.to_chat_completion_request``).
+   ``extra_args`` (/inference/v1/generate, token in, token out).
 
-A route without a request model that reads its body itself and dispatches on its shape takes
-them when a request type it dispatches to does (`DISPATCHERS`: SageMaker's /invocations, from
-vLLM's own dispatch table). Routes with form bodies (audio transcription) carry ``vllm_xargs``
-as a JSON string that vLLM parses; the middleware does not rewrite forms (`FORM`).
+What a model could be converted into says nothing: vLLM 0.33's ``TokenizeChatRequest`` gained a
+``to_chat_completion_request()`` without sampling anything. The routes that sample although
+their request model says neither were read one by one (`REVIEWED_SAMPLING_ROUTES`); a route
+without a request model that reads its body itself and dispatches on its shape takes them when
+a request type it dispatches to does (`DISPATCHERS`: SageMaker's /invocations, from vLLM's own
+dispatch table; tests/test_vllm_app.py fails when a vLLM upgrade adds a POST route without a
+request model that nobody has read). Every other route refuses a Bregman field with a 400
+(/tokenize, /pooling, 0.33's /v1/decisions ...). Routes with form bodies (audio transcription)
+carry ``vllm_xargs`` as a JSON string that vLLM parses; the middleware does not rewrite forms
+(`FORM`).
+
+A server whose engine drops the processor takes the fields nowhere: `processor_dropped` says
+when (the middleware then refuses to start).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import logging
 import re
 import types
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +56,13 @@ def _generate_invocation_types() -> list[Any]:
 #: Routes that read their body themselves and dispatch on its shape: the request types they
 #: dispatch to (read from vLLM when the route exists).
 DISPATCHERS: dict[str, Callable[[], list[Any]]] = {"/invocations": _generate_invocation_types}
+
+#: Routes that sample although their request model declares neither ``vllm_xargs`` nor a
+#: SamplingParams field, read in vLLM 0.32 and 0.33's sources: where their fields go. Taken
+#: only while the model allows extra fields (else it would refuse ``vllm_xargs``).
+#: /v1/chat/completions/batch: ``BatchChatCompletionRequest`` keeps unknown fields, and its
+#: handler builds one ``ChatCompletionRequest`` per conversation from all of them.
+REVIEWED_SAMPLING_ROUTES: dict[str, Target] = {"/v1/chat/completions/batch": VLLM_XARGS}
 
 
 @dataclass(frozen=True)
@@ -108,9 +121,28 @@ def honoured_routes(app: Any) -> Routes:
         else:
             continue
         found = [t for t in map(_target, members) if t is not None]
+        if not found and path in REVIEWED_SAMPLING_ROUTES and any(
+                getattr(m, "model_config", {}).get("extra") == "allow" for m in members):
+            found = [REVIEWED_SAMPLING_ROUTES[path]]
         if found:
             targets.setdefault(path, found[0])
     return Routes.of(targets)
+
+
+def processor_dropped(speculative_config: Any, model_runner_v2: bool) -> str | None:
+    """Why vLLM's engine would not run the Bregman processor, or None.
+
+    vLLM's V1 model runner leaves out every logits processor of the ``vllm.logits_processors``
+    entry points when speculative decoding is on (it refuses only those named with
+    ``--logits-processors``), so every Bregman field would be silently ignored. Model Runner V2
+    runs them, on every draft row (speculative methods it lacks are refused by vLLM itself).
+    """
+    if not speculative_config or model_runner_v2:
+        return None
+    return ("speculative decoding (--speculative-config) is on under vLLM's V1 model runner, "
+            "which drops the Bregman logits processor: every bregman_* field would be ignored. "
+            "Run Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1), which decodes every draft row, "
+            "or serve without speculative decoding.")
 
 
 def _members(annotation: Any) -> list[type]:
@@ -127,35 +159,15 @@ def _name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _target(model: type, seen: frozenset[type] = frozenset()) -> Target | None:
-    """Where a request model's Bregman fields go (the rules of the module docstring), or None."""
+def _target(model: type) -> Target | None:
+    """Where a request model's Bregman fields go (rules 1 and 2 of the module docstring), or
+    None."""
     fields = getattr(model, "model_fields", None)
-    if not isinstance(fields, dict) or model in seen:
+    if not isinstance(fields, dict):
         return None
     if "vllm_xargs" in fields:
         return VLLM_XARGS
     for name, info in fields.items():
         if any(_name(member) == _SAMPLING_PARAMS for member in _members(info.annotation)):
             return (name, "extra_args")
-    config = getattr(model, "model_config", {})
-    if config.get("extra") == "allow":
-        for converted in _conversions(model):
-            if _target(converted, seen | {model}) == VLLM_XARGS:
-                return VLLM_XARGS
     return None
-
-
-def _conversions(model: type) -> Iterable[type]:
-    """Model classes that methods of ``model`` (its own, not pydantic's) say they return."""
-    for cls in model.__mro__:
-        if cls.__module__.startswith("pydantic") or cls is object:
-            continue
-        for value in vars(cls).values():
-            function = getattr(value, "__func__", value)
-            if not callable(function) or not getattr(function, "__annotations__", None):
-                continue
-            try:
-                returned = typing.get_type_hints(function).get("return")
-            except Exception:  # an annotation that does not resolve says nothing
-                continue
-            yield from _members(returned)

@@ -36,8 +36,8 @@ class ServerSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="Interface to listen on (0.0.0.0 in containers).")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
-        "info", description="Log level of the server (vLLM has its own: VLLM_LOGGING_LEVEL).")
-    access_log: bool = Field(False, description="Uvicorn access log (one line per request).")
+        "info", description="Log level of the server; as a flag also vLLM's (its --log-level; "
+        "else vLLM's own: VLLM_LOGGING_LEVEL).")
 
     # --- what we serve ------------------------------------------------------------------------
     model: str | None = Field(None, description="Model that vLLM serves in this process.")
@@ -49,7 +49,8 @@ class ServerSettings(BaseSettings):
         "list).")
     max_body_bytes: int = Field(16 * MiB, ge=1, description="Largest request body (413 above).")
     max_header_bytes: int = Field(
-        64 * KiB, ge=1024, description="Largest request head: request line and headers (431).")
+        64 * KiB, ge=1024, description="Largest request head: request line and headers (431); "
+        "vLLM's --h11-max-incomplete-event-size, when given, wins.")
     max_connections: int = Field(
         1024, ge=1, description="Open client connections at most. When all are open, a new "
         "one is let in and closes the connection that has waited longest for its client to "

@@ -1,18 +1,28 @@
-"""vLLM's data parallelism under `bregman-serve`: ``--data-parallel-size 2 --api-server-count 2``
-on the CPU, the tiny model, one server for the module (two engines, two API server processes on
-one port, the process that started them, and bregman-serve's supervisor above it).
+"""vLLM's data parallelism and several API servers under `bregman-serve`, on the CPU, the tiny
+model. Two deployments, started together for the module:
 
-* the middleware in every API server process: on each (found by who owns the connection) a
-  request without the key is a 401, a bad field a 400 naming it, with the key a 200;
-* the processor in every engine: the engines' Bregman metrics add up over both (the check of
-  tests/test_server_support.py, which needs a data-parallel server: this one), and the top-k
-  oracle (``--logprobs-mode processed_logprobs``,
-  ``bregman_top_k=2`` leaves at most 2 tokens above -9000 at every step) over requests that
-  vLLM spread over both engines (its per-engine ``vllm:request_success_total``);
-* the lifecycle: SIGTERM to the server's whole process group with streams open on both API
-  servers: new requests get 503 while the open streams run to their end (the drain), then the
-  server exits 0 and leaves nothing behind;
-* the ready line, once every API server serves.
+* the data-parallel one, ``--data-parallel-size 2 --api-server-count 2`` (two engines, two API
+  server processes on one port, the process that started them, and bregman-serve's supervisor
+  above it):
+
+  * the middleware in every API server process: on each (found by who owns the connection) a
+    request without the key is a 401, a bad field a 400 naming it, with the key a 200;
+  * the processor in every engine: the engines' Bregman metrics add up over both (the check of
+    tests/test_server_support.py, which needs a data-parallel server: this one), and the top-k
+    oracle (``--logprobs-mode processed_logprobs``, ``bregman_top_k=2`` leaves at most 2 tokens
+    above -9000 at every step) over requests that vLLM spread over both engines (its per-engine
+    ``vllm:request_success_total``);
+  * the lifecycle: SIGTERM to the server's whole process group with streams open on both API
+    servers: new requests get 503 while the open streams run to their end (the drain), then
+    the server exits 0 and leaves nothing behind (last: it ends the deployment);
+  * the ready line, once every API server serves;
+
+* one engine behind two API servers over TLS (``--ssl-keyfile`` / ``--ssl-certfile``, a
+  certificate made here with ``openssl``) with a tool-parser plugin file
+  (``--tool-parser-plugin``): the official `openai` client over HTTPS (Bregman fields honoured,
+  the plugin's parser answering a chat with tools), plain HTTP refused; then its engine is killed
+  and every API server answers 503 ``engine_dead`` before the server exits with status 3 (last:
+  it ends the deployment).
 
 Plus the unit checks of what `bregman_server.engine` decides before vLLM starts.
 """
@@ -29,15 +39,16 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from bregman_server import engine
 from bregman_server.settings import ServerSettings
 
 from .test_server_support import (
+    TOOL_PARSER_PLUGIN,
     ServerProcess,
     assert_stream_ran_to_length,
     check_engine_metrics_add_up,
@@ -46,6 +57,7 @@ from .test_server_support import (
     finite_top_logprobs,
     require_tiny_model,
     scrape,
+    self_signed_tls,
     shut_down,
     top_k_oracle,
 )
@@ -62,6 +74,11 @@ ARGS = ["--model", MODEL, "--api-key", KEY, "--logprobs-mode", "processed_logpro
         "--header-timeout", str(GRACE), "--keep-alive-timeout", str(GRACE)]
 READY = re.compile(r"^bregman-serve ready on http://127\.0\.0\.1:(\d+) \(vLLM \S+, model "
                    r"models/tiny-llama, data parallel 2, 2 API servers\)$", re.M)
+TLS_ARGS = ["--model", MODEL, "--api-key", KEY, "--logprobs-mode", "processed_logprobs",
+            "--enforce-eager", "--max-model-len", "512", "--api-server-count", "2",
+            "--enable-auto-tool-choice", "--tool-call-parser", "bregman-probe"]
+TLS_READY = re.compile(r"^bregman-serve ready on https://127\.0\.0\.1:(\d+) \(vLLM \S+, model "
+                       r"models/tiny-llama, data parallel 1, 2 API servers\)$", re.M)
 
 #: Figures for the closing note (printed by tests/conftest.py).
 FIGURES: dict[str, Any] = {}
@@ -121,7 +138,7 @@ def test_server_log_survives_vllms_app(capsys: pytest.CaptureFixture[str]) -> No
     level."""
     import logging
 
-    from bregman_server.cli import configure_logging
+    from bregman_server.engine import configure_logging
 
     configure_logging("info")
     import model_hosting_container_standards.logging_config  # noqa: F401
@@ -135,6 +152,7 @@ def test_server_log_survives_vllms_app(capsys: pytest.CaptureFixture[str]) -> No
 class Live:
     def __init__(self, server: ServerProcess) -> None:
         self.server = server
+        self.tls = server.tls
         self.api_servers = sorted(pid for pid in server.remember_descendants()
                                   if comm(pid).startswith("VLLM::APIServer"))
         self.engines = sorted(pid for pid in server.remember_descendants()
@@ -143,6 +161,13 @@ class Live:
     @property
     def url(self) -> str:
         return self.server.url
+
+    def connect(self, timeout: float = 60) -> socket.socket:
+        """A connection to the server (TLS-wrapped when it serves HTTPS)."""
+        connection = socket.create_connection(("127.0.0.1", self.server.port), timeout=timeout)
+        if self.tls is None:
+            return connection
+        return self.tls.wrap_socket(connection, server_hostname="127.0.0.1")
 
     def metrics(self) -> str:
         return scrape(self.url, AUTH)
@@ -193,30 +218,50 @@ def _server_side_inodes(server_port: int, client_ports: set[int]) -> dict[str, i
     return inodes
 
 
-def start_ready(server: ServerProcess) -> Live:
-    """Start ``server`` and wait for its ready line (/health answers once one API server
-    serves; the ready line once both do)."""
-    require_tiny_model()
-    server.start()
+def wait_ready(server: ServerProcess, ready: re.Pattern[str]) -> Live:
+    """Wait for ``server``'s ready line (/health answers once one API server serves; the ready
+    line once both do)."""
     server.wait_healthy(timeout=600)
     deadline = time.monotonic() + 300
-    while not READY.search(server.log_tail(10**7)):
+    while not ready.search(server.log_tail(10**7)):
         assert time.monotonic() < deadline, server.log_tail()
         assert server.process is not None and server.process.poll() is None
         time.sleep(0.2)
     return Live(server)
 
 
+class Deployments:
+    def __init__(self, parallel: Live, tls: Live) -> None:
+        self.parallel, self.tls = parallel, tls
+
+
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    server = ServerProcess(ARGS, tmp_path_factory.mktemp("dp-logs") / "server.log")
+def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployments]:
+    """Both deployments, started at once (each test that ends one checks how it ended)."""
+    require_tiny_model()
+    logs = tmp_path_factory.mktemp("dp-logs")
+    key, cert, client = self_signed_tls(logs)
+    plugin = logs / "probe_tool_parser.py"
+    plugin.write_text(TOOL_PARSER_PLUGIN)
+    parallel = ServerProcess(ARGS, logs / "server.log")
+    tls = ServerProcess([*TLS_ARGS, "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
+                         "--tool-parser-plugin", str(plugin)], logs / "tls.log", tls=client)
     started = time.monotonic()
     try:
-        ready = start_ready(server)
+        parallel.start()
+        tls.start()
+        made = Deployments(wait_ready(parallel, READY), wait_ready(tls, TLS_READY))
         FIGURES["start_seconds"] = round(time.monotonic() - started, 1)
-        yield ready
+        yield made
     finally:
-        shut_down(server, expect_code=None)  # the drain test stops it itself
+        for server in (parallel, tls):
+            with contextlib.suppress(AssertionError):
+                shut_down(server, expect_code=None)
+
+
+@pytest.fixture
+def live(deployments: Deployments) -> Live:
+    return deployments.parallel
 
 
 @pytest.mark.server
@@ -259,7 +304,7 @@ def _one_connection_per_api_server(live: Live, held: list[socket.socket]
     ``held``, for the caller to close); one per API server, by its process ID."""
     owners: dict[int, socket.socket] = {}
     while len(owners) < 2 and len(held) < 16:
-        connection = socket.create_connection(("127.0.0.1", live.server.port), timeout=60)
+        connection = live.connect()
         held.append(connection)
         owner = live.owner(connection.getsockname()[1])
         assert owner is not None
@@ -326,29 +371,30 @@ def test_sigterm_to_the_process_group_drains_every_api_server(live: Live) -> Non
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4000, "n": 4,
                        "ignore_eos": True, "stream": True}).encode()
     results: dict[int, Any] = {}
-    connections = [socket.create_connection(("127.0.0.1", live.server.port), timeout=GRACE)
-                   for _ in range(4)]
-    started = [threading.Event() for _ in connections]
     reading = threading.Event()
     reading.set()
-    threads = [threading.Thread(target=_read_stream, args=(connection, body, results, index,
-                                                           started[index], reading))
-               for index, connection in enumerate(connections)]
     held: list[socket.socket] = []
-    for thread in threads:
-        thread.start()
+    connections: list[socket.socket] = []
     try:
-        owners = live.owners([connection.getsockname()[1] for connection in connections])
-        assert sorted(set(owners)) == live.api_servers, f"streams on both: {owners}"
-        for event in started:  # each stream has sent its first tokens
-            assert event.wait(60)
-        # One kept-alive connection per API server, accepted and answered before the signal:
-        # the refusal is checked on each of them. (A new connection would wait for a busy API
+        # One kept-alive connection per API server, accepted and answered before the streams
+        # start (so that nothing but their first tokens comes between them and the signal): the
+        # refusal is checked on each of them. (A new connection would wait for a busy API
         # server to accept it, and one still queued when the drains end is reset with the
         # listening socket.)
         probes = _one_connection_per_api_server(live, held)
         for probe in probes.values():
             assert _exchange(probe, b"GET", b"/health", b"")[0] == 200
+        connections += [live.connect(timeout=GRACE) for _ in range(4)]
+        started = [threading.Event() for _ in connections]
+        threads = [threading.Thread(target=_read_stream, args=(
+            connection, body, results, index, started[index], reading))
+            for index, connection in enumerate(connections)]
+        for thread in threads:
+            thread.start()
+        owners = live.owners([connection.getsockname()[1] for connection in connections])
+        assert sorted(set(owners)) == live.api_servers, f"streams on both: {owners}"
+        for event in started:  # each stream has sent its first tokens
+            assert event.wait(60)
         assert not results, "a stream ended before the signal: make them longer"
         live.server.remember_descendants()
         # The readers pause while the refusals are checked: woken by a stream's bytes, four of
@@ -441,15 +487,70 @@ def _read_stream(connection: socket.socket, body: bytes, results: dict[int, Any]
 
 @pytest.mark.server
 @pytest.mark.timeout(900)
-def test_engine_death_reaches_every_api_server(tmp_path: Path) -> None:
-    """One engine killed (SIGKILL to EngineCore_DP1) on a server of its own: the API servers,
-    whose engine clients did not start the engines, hear it from the process that did, and
-    each (on a connection it holds) answers /health and a completion with 503 engine_dead;
-    then the server exits with status 3 and leaves nothing behind."""
-    server = ServerProcess(ARGS, tmp_path / "server.log")
+def test_https_with_the_openai_client_and_a_tool_parser_plugin(deployments: Deployments
+                                                                ) -> None:
+    """``--ssl-keyfile`` / ``--ssl-certfile`` reach vLLM's uvicorn in every API server: the
+    `openai` client, trusting only the certificate made here, gets completions whose Bregman
+    fields were honoured (at most 2 tokens above -9000 at every step with ``bregman_top_k=2``)
+    and a chat answered by the plugin's tool parser (``--tool-parser-plugin``, loaded into the
+    API server processes); plain HTTP gets no HTTP answer."""
+    live = deployments.tls
+    assert [int(port) for port in TLS_READY.findall(live.server.log_tail(10**7))] == [
+        live.server.port]
+    assert live.tls is not None
+    tools = [{"type": "function", "function": {
+        "name": "bregman_probe", "parameters": {"type": "object", "properties": {}}}}]
+    with httpx.Client(verify=live.tls, timeout=120) as http:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key=KEY, http_client=http,
+                               max_retries=0)
+        completion = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, logprobs=5,
+            extra_body={"bregman_top_k": 2})
+        steps = [finite_top_logprobs(entry)
+                 for entry in completion.choices[0].logprobs.top_logprobs]
+        assert len(steps) == 6 and max(steps) <= 2, steps
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                      extra_body={"bregman_top_k": 0})
+        assert refused.value.param == "bregman_top_k"
+        chat = client.chat.completions.create(
+            model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hello"}],
+            tools=tools)
+        calls = chat.choices[0].message.tool_calls
+        assert calls and calls[0].function.name == "bregman_probe", chat
+    # The plugin in each API server process (on a TLS connection each of them holds).
     held: list[socket.socket] = []
     try:
-        dead = start_ready(server)
+        body = json.dumps({"model": MODEL, "max_tokens": 4, "tools": tools,
+                           "messages": [{"role": "user", "content": "Hello"}]}).encode()
+        for connection in _one_connection_per_api_server(live, held).values():
+            status, answer = _exchange(connection, b"POST", b"/v1/chat/completions", body,
+                                       auth=True)
+            assert status == 200, answer
+            calls = answer["choices"][0]["message"]["tool_calls"]
+            assert calls[0]["function"]["name"] == "bregman_probe", answer
+    finally:
+        for connection in held:
+            connection.close()
+    with socket.create_connection(("127.0.0.1", live.server.port), timeout=30) as plain:
+        plain.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        with contextlib.suppress(ConnectionResetError):
+            assert not plain.recv(64).startswith(b"HTTP/")
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{live.server.port}/health", timeout=30)
+
+
+@pytest.mark.server
+@pytest.mark.timeout(900)
+def test_engine_death_reaches_every_api_server(deployments: Deployments) -> None:
+    """The engine killed (SIGKILL to the TLS deployment's EngineCore): the API servers, whose
+    engine clients did not start the engine, hear it from the process that did, and each (on a
+    connection it holds) answers /health and a completion with 503 engine_dead; then the server
+    exits with status 3 and leaves nothing behind."""
+    dead = deployments.tls
+    server = dead.server
+    held: list[socket.socket] = []
+    try:
         connections = _one_connection_per_api_server(dead, held).values()
         server.remember_descendants()
         os.kill(dead.engines[-1], signal.SIGKILL)

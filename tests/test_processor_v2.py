@@ -101,6 +101,45 @@ def test_min_p_acts_on_q_in_the_v2_sampler():
     torch.testing.assert_close(out[1], logits[1] / 1.3)
 
 
+@in_child
+def test_every_draft_row_is_decoded_under_speculative_decoding(monkeypatch):
+    """Speculative decoding under Model Runner V2, on a real CPU engine: the tiny model as its
+    own draft model (``draft_model``: the speculator that runs here; the n-gram one's Triton
+    kernel fails under the interpreter, "mask has unsupported dtype"). V2's rejection sampler
+    runs the processors on every scored row, the draft positions' included, so under
+    ``processed_logprobs`` every returned position keeps at most ``bregman_top_k`` = 2 tokens,
+    the accepted draft tokens' too (vLLM's counter shows that there were some); without the
+    field the positions keep more. (Under the V1 runner vLLM drops the processor when
+    speculative decoding is on: tests/test_vllm_app.py checks that bregman-serve refuses it.)"""
+    from vllm import LLM, SamplingParams
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    llm = LLM(str(ROOT / "models" / "tiny-llama"), logprobs_mode="processed_logprobs",
+              max_logprobs=-1, dtype="float32", seed=0, enforce_eager=True, max_num_seqs=4,
+              max_model_len=512, disable_log_stats=False, speculative_config={
+                  "method": "draft_model", "model": str(ROOT / "models" / "tiny-llama"),
+                  "num_speculative_tokens": 2})
+
+    def accepted() -> float:
+        return sum(metric.value for metric in llm.get_metrics()
+                   if metric.name == "vllm:spec_decode_num_accepted_tokens")
+
+    def kept(**extra) -> list[int]:
+        outputs = llm.generate(["ROMEO:\nI am a king.\nROMEO:\nI am a"] * 4, SamplingParams(
+            temperature=1.0, max_tokens=24, logprobs=5, extra_args=extra or None))
+        return [sum(1 for entry in step.values() if entry.logprob > -9000)
+                for output in outputs for step in output.outputs[0].logprobs]
+
+    before = accepted()
+    bregman = kept(bregman_top_k=2)
+    drafted = accepted() - before
+    plain = kept()
+    assert len(bregman) == 4 * 24 and max(bregman) <= 2, bregman
+    assert drafted > 0, "no draft token was accepted: the draft rows were not tested"
+    assert sum(count > 2 for count in plain) > len(plain) // 2, plain
+
+
 @pytest.mark.engine
 def test_v1_behaviour_tests_pass_under_model_runner_v2():
     # With the Triton kernels (as V2 on CUDA runs the processor), under the interpreter.

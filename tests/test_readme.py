@@ -44,7 +44,7 @@ import bregman_server.engine
 import pytest
 from bregman_server.engine import MIDDLEWARE_PATH, vllm_namespace
 
-from .test_deploy import parse_server
+from .test_deploy import parse_server, vllm_serve_parse
 from .test_server_support import (
     ServerProcess,
     require_tiny_model,
@@ -265,21 +265,6 @@ def shell_commands(code: str) -> list[tuple[dict[str, str], list[str]]]:
     return found
 
 
-def vllm_server_parse(argv: list[str]) -> Any:
-    """vLLM's own OpenAI-server parser (``vllm serve`` and ``python -m
-    vllm.entrypoints.openai.api_server``), with its quick validation."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        pytest.fail(f"vLLM refuses {shlex.join(argv)} (exit {exc.code})")
-    validate_parsed_serve_args(args)
-    return args
-
-
 def check_command(env: dict[str, str], words: list[str], monkeypatch: pytest.MonkeyPatch
                   ) -> str:
     """Check one command with the parser of the program it calls; return what was checked."""
@@ -304,7 +289,7 @@ def check_command(env: dict[str, str], words: list[str], monkeypatch: pytest.Mon
     if words[:2] == ["vllm", "serve"] or words[:3] == [
             "python", "-m", "vllm.entrypoints.openai.api_server"]:
         argv = words[2:] if program == "vllm" else words[3:]
-        args = vllm_server_parse(argv)
+        args = vllm_serve_parse(argv)
         assert MIDDLEWARE_PATH in args.middleware, f"{shlex.join(words)}: without the middleware"
         assert args.model, shlex.join(words)
         return "vllm"

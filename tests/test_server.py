@@ -19,8 +19,6 @@ import json
 import re
 import secrets
 import time
-import types
-import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,7 +28,6 @@ import pytest
 
 from .test_engine_metrics import DASHBOARD, dashboard_queries, promql_metric_names
 from .test_server_support import (
-    REVIEWED_UNTYPED_POSTS,
     ServerProcess,
     check_engine_metrics_add_up,
     complete_all,
@@ -175,53 +172,6 @@ def _speaks_http(port: int) -> bool:
             return sock.recv(16).startswith(b"HTTP/")
     except OSError:
         return False
-
-
-# --- the routes that take the fields, read from vLLM's own app (issue 19, finding 4) -----------
-
-def _classes(annotation: Any) -> list[type]:
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType, typing.Annotated):
-        return [c for arg in typing.get_args(annotation) for c in _classes(arg)]
-    return [annotation] if isinstance(annotation, type) else []
-
-
-@pytest.mark.parametrize("flags", [[], ["--enable-scale-out"]])
-def test_honoured_routes_are_every_vllm_route_whose_body_becomes_sampling_params(
-        flags: list[str]) -> None:
-    """vLLM's app as ``vllm serve`` builds it (no engine needed): every POST route whose
-    request model declares vllm_xargs takes the Bregman fields there; so do the batch route
-    (its model converts into ChatCompletionRequest, carrying vllm_xargs over) and /invocations;
-    a SamplingParams field takes them into its extra_args; every POST route without a request
-    model has been read (REVIEWED_UNTYPED_POSTS)."""
-    from bregman_server.routes import VLLM_XARGS, honoured_routes
-    from fastapi.routing import APIRoute
-    from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", MODEL, *flags])
-    app = build_app(args, ("generate",), None)
-    targets = honoured_routes(app).targets
-    with_xargs = set()
-    for route in app.routes:
-        if not isinstance(route, APIRoute) or "POST" not in route.methods:
-            continue
-        if route.body_field is None:
-            assert route.path in REVIEWED_UNTYPED_POSTS, route.path
-            continue
-        models = _classes(route.body_field.field_info.annotation)
-        if any("vllm_xargs" in getattr(model, "model_fields", {}) for model in models):
-            with_xargs.add(route.path)
-            assert targets.get(route.path) == VLLM_XARGS, route.path
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses",
-            "/v1/messages"} <= with_xargs
-    assert targets["/v1/chat/completions/batch"] == VLLM_XARGS
-    assert targets["/invocations"] == VLLM_XARGS
-    expected = set(with_xargs) | {"/v1/chat/completions/batch", "/invocations"}
-    if flags:
-        assert targets["/inference/v1/generate"] == ("sampling_params", "extra_args")
-        expected.add("/inference/v1/generate")
-    assert set(targets) == expected  # and nothing else: scoring routes sample nothing
 
 
 # --- the openai SDK -----------------------------------------------------------------------------

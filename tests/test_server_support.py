@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import re
 import signal
+import ssl
 import statistics
 import subprocess
 import sys
@@ -37,6 +38,33 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+#: A tool-parser plugin file (``--tool-parser-plugin``): a parser registered as "bregman-probe"
+#: that "calls" the tool `bregman_probe` whatever the model wrote, so that a chat with tools shows
+#: whether the file was loaded and is used.
+TOOL_PARSER_PLUGIN = '''
+from vllm.entrypoints.generate.base.protocol import FunctionCall, ToolCall
+from vllm.tool_parsers import ToolParser, ToolParserManager
+from vllm.tool_parsers.abstract_tool_parser import ExtractedToolCallInformation
+
+
+@ToolParserManager.register_module("bregman-probe")
+class ProbeToolParser(ToolParser):
+    def extract_tool_calls(self, model_output, request):
+        call = ToolCall(function=FunctionCall(name="bregman_probe", arguments="{}"))
+        return ExtractedToolCallInformation(tools_called=True, tool_calls=[call], content=None)
+'''
+
+
+def self_signed_tls(directory: Path) -> tuple[Path, Path, ssl.SSLContext]:
+    """A key and a self-signed certificate for 127.0.0.1 (made by ``openssl``), and a client
+    context that trusts it and nothing else."""
+    key, cert = directory / "key.pem", directory / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return key, cert, ssl.create_default_context(cafile=str(cert))
 
 
 def require_tiny_model() -> Path:
@@ -147,18 +175,20 @@ class ServerProcess:
     server) and everything it starts."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 port: int | None = None, module: str = "bregman_server.cli") -> None:
+                 port: int | None = None, module: str = "bregman_server.cli",
+                 tls: ssl.SSLContext | None = None) -> None:
         self.module = module
         self.port = port or free_port()
         self.args = ["--port", str(self.port), *args]
         self.log_path = log_path
         self.env = env if env is not None else server_environment()
+        self.tls = tls  # a client context, for a server that serves HTTPS
         self.process: subprocess.Popen[bytes] | None = None
         self.seen: set[int] = set()
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     @property
     def pid(self) -> int:
@@ -187,7 +217,7 @@ class ServerProcess:
     def wait_healthy(self, timeout: float) -> None:
         assert self.process is not None
         deadline = time.monotonic() + timeout
-        with httpx.Client(trust_env=False, timeout=2) as client:
+        with httpx.Client(trust_env=False, timeout=2, verify=self.tls or True) as client:
             while True:
                 self.remember_descendants()
                 if self.process.poll() is not None:

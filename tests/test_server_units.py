@@ -166,7 +166,8 @@ class Served:
         app = BregmanMiddleware(inner or stub_app(), settings=self.settings,
                                 lifecycle=self.lifecycle)
         # The servers' own uvicorn, without signal handlers (it runs in a thread here).
-        self.server = http_server(uvicorn_config(app, self.settings, log_level="warning"))
+        self.server = http_server(uvicorn_config(app, self.settings, log_level="warning",
+                                                 h11_max_header_count=32))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
@@ -629,6 +630,24 @@ def test_request_head_size_limit(served: Served) -> None:
     response = httpx.get(served.url + "/health", headers={"x-big": "a" * 20_000})
     assert assert_openai_error(response, 431)["code"] == "request_header_fields_too_large"
     assert httpx.get(served.url + "/health").status_code == 200
+
+
+def test_request_header_count_limit(served: Served) -> None:
+    """vLLM's --h11-max-header-count (32 here), which uvicorn's own protocols ignore: a head
+    with more header fields is a 431, also when its line ends arrive split across reads."""
+    def head(fields: int) -> list[bytes]:
+        lines = b"".join(b"X-F%d: v\r\n" % i for i in range(fields - 1))
+        return [b"GET /health HTTP/1.1\r\nHost: x\r\n" + lines[:-1], lines[-1:] + b"\r\n"]
+
+    for fields, status in ((32, b"200"), (33, b"431")):
+        host, port = served.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            for part in head(fields):  # the last line end split between two reads
+                sock.sendall(part)
+                time.sleep(0.05)
+            answer = sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 " + status), (fields, answer[:300])
+    assert b"More than 32 header fields." in answer
 
 
 def _raw_exchange(url: str, data: bytes, wait: float) -> bytes:
