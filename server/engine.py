@@ -5,8 +5,9 @@ What runs, in order (ours in `serve`, the rest vLLM's):
 1. The process environment vLLM reads (`_environment`): ``PROMETHEUS_MULTIPROC_DIR`` (a fresh
    temporary directory, before vLLM or prometheus_client is imported, so that /metrics sums
    vLLM's ``vllm:*``, the server's ``bregman_server_*`` and the engine processes' Bregman
-   metrics), the CPU build's KV cache, the model runner (`MODEL_RUNNER_V2`), and
-   ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1`` so that our engine-death policy decides.
+   metrics), the CPU build's KV cache, and ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1`` so that our
+   engine-death policy decides. The model runner is vLLM's own choice (V2 on CUDA; the
+   processor decodes on both: deploy/README.md#model-runner-v1-or-v2).
 2. vLLM's own argument parser and checks (`vllm_namespace`): ``--model`` and every vLLM argument
    mean what they mean in ``vllm serve``; our middleware is appended to ``--middleware``
    (outermost) and configured with our settings (`configure_process`).
@@ -78,9 +79,6 @@ MIDDLEWARE_PATH = "bregman_server.middleware.BregmanMiddleware"
 ENGINE_DIED_SIGNAL = signal.SIGUSR1
 #: How often `_serve_many` looks at its processes, seconds.
 WATCH_INTERVAL = 0.2
-#: ``VLLM_USE_V2_MODEL_RUNNER`` unless the environment sets it: "0" is vLLM's V1 model runner,
-#: on which the Bregman processor's engine tests run (deploy/README.md#model-runner-v1-or-v2).
-MODEL_RUNNER_V2 = "0"
 # Engine flags that mean "the user chose the prefill batching": then we add nothing.
 _PREFILL_FLAGS = ("--enable-chunked-prefill", "--no-enable-chunked-prefill",
                   "--max-num-batched-tokens")
@@ -167,10 +165,11 @@ def vllm_argv(settings: ServerSettings, vllm_args: Sequence[str]) -> list[str]:
             *args]
 
 
-def uses_model_runner_v2() -> bool:
-    """Whether vLLM's engines will run Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER``, read as
-    vLLM reads it, else `MODEL_RUNNER_V2`)."""
-    return os.environ.get("VLLM_USE_V2_MODEL_RUNNER", MODEL_RUNNER_V2).lower() in ("1", "true")
+def v1_runner_asked() -> bool:
+    """Whether the environment asks vLLM for its V1 model runner (``VLLM_USE_V2_MODEL_RUNNER``
+    false, read as vLLM reads it). Unset, vLLM chooses (V2 on CUDA); where it falls back to V1
+    itself, the middleware's start-up check (`routes.processor_dropped`) refuses what V1 drops."""
+    return os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("0", "false")
 
 
 def vllm_namespace(settings: ServerSettings, vllm_args: Sequence[str]) -> argparse.Namespace:
@@ -194,7 +193,7 @@ def vllm_namespace(settings: ServerSettings, vllm_args: Sequence[str]) -> argpar
         if getattr(args, flag[2:].replace("-", "_"), False):
             parser.error(f"{flag} is not supported by bregman-serve; run vLLM's own `vllm "
                          "serve` for it (deploy/README.md)")
-    dropped = processor_dropped(args.speculative_config, uses_model_runner_v2())
+    dropped = processor_dropped(args.speculative_config, not v1_runner_asked())
     if dropped:
         parser.error(dropped)
     if MIDDLEWARE_PATH not in args.middleware:
@@ -214,7 +213,6 @@ def _environment(settings: ServerSettings) -> str | None:
     # vLLM would stop the HTTP server at the first request that finds its engine dead; our own
     # policy (503s, open requests ended in OpenAI's shape, then exit 3) decides.
     os.environ["VLLM_KEEP_ALIVE_ON_ENGINE_DEATH"] = "1"
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", MODEL_RUNNER_V2)
     os.environ.pop("VLLM_API_KEY", None)  # our key guards the routes (see `vllm_namespace`)
     if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
         return None

@@ -79,7 +79,6 @@ def server_environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BREGMAN_")}
     env.pop("VLLM_API_KEY", None)
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     # Long generations for the disconnect tests: the tiny model was trained on 256 positions.
     env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     env["PYTHONUNBUFFERED"] = "1"

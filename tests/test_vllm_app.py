@@ -261,5 +261,5 @@ def test_bregman_serve_starts_vllms_launcher_with_our_options(tmp_path: Path) ->
         "logging_config": True, "h11_max_incomplete_event_size": 64 * 1024,
         "ssl": [str(tmp_path / "key.pem"), str(tmp_path / "c.pem")], "tool_parser": True,
         "environment": {"VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1",
-                        "VLLM_USE_V2_MODEL_RUNNER": engine.MODEL_RUNNER_V2},
+                        "VLLM_USE_V2_MODEL_RUNNER": None},
         "metrics_dir": True}
