@@ -4,8 +4,9 @@
 
 VENV := .venv
 PY := $(VENV)/bin/python
-# The slowest tests in every run's log, so CI shows where its 20 minutes go.
-PYTEST_ARGS ?= --durations=25
+# The slowest tests in every run's log, so CI shows where its 20 minutes go; two pytest-xdist
+# workers (a module, and the servers its fixtures share, stay on one worker: --dist loadfile).
+PYTEST_ARGS ?= --durations=25 -n 2 --dist loadfile
 
 $(VENV)/.ready: requirements/cpu.txt requirements/gpu.txt requirements/dev.txt pyproject.toml scripts/bootstrap.sh
 	bash scripts/bootstrap.sh

@@ -423,7 +423,7 @@ def test_every_route_whose_body_has_vllm_xargs_takes_the_fields(servers: Servers
 ERRORS = [("GET", "/nonexistent", None, {}, 404), ("GET", "/v1/completions", None, {}, 405),
           ("POST", "/health", None, {}, 405),
           ("POST", "/v1/completions", b'{"model": "m", "prompt": "\xff\xfe\xfd"}', {}, 400),
-          ("POST", "/v1/completions", gzip.compress(json.dumps(FINDING_1).encode()),
+          ("POST", "/v1/completions", gzip.compress(json.dumps(FINDING_1).encode(), mtime=0),
            {"Content-Encoding": "gzip"}, 415),
           ("POST", "/v1/completions", b'{"prompt": ' + b"[" * 1500 + b"]" * 1500 + b"}", {}, 400),
           ("POST", "/tokenize", b"[" * 1500 + b"]" * 1500, {}, 400)]
