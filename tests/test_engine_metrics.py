@@ -300,7 +300,10 @@ def test_an_idle_engine_s_last_steps_are_read_by_the_background_thread(monkeypat
     engine.queue(telemetry._Pending(torch.tensor([4, 4]), np.array([1, 1], np.int8), event))
     assert engine.thread is not None  # started by the first entry with an event
     deadline = time.monotonic() + 30
-    while engine.pending and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        with engine.lock:  # the thread pops an entry, then counts it, holding the lock
+            if not engine.pending:
+                break
         time.sleep(0.01)
     assert not engine.pending and event.waited >= 1  # waited for in that thread
     assert sample(scrape(engine.values), "bregman_support_size_sum", mode="primal") == 8
