@@ -38,6 +38,7 @@ stationary in w at the solution, so a Newton residual enters it only to second o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -175,6 +176,7 @@ class Solved(NamedTuple):
     h: Tensor
     residual: Tensor
     factor: Tensor | float
+    multiplier: Tensor | None = None  # [n, m] POWER: v = w / x_1^b of each size
 
 
 def _nonzero(x: Tensor) -> Tensor:
@@ -234,7 +236,7 @@ def power_solve(x: Tensor, deficit: Tensor, sizes: Tensor, mask: Tensor, alpha: 
         h = torch.addcmul(power_sums, v, inv_x1, value=alpha)
     # G = x_1^alpha (h(k) - h(k+1)) / (alpha (alpha - 1)).
     factor = inv_x1.squeeze(-1).pow(alpha) * (alpha * b)
-    return Solved(s, h, residual, factor)
+    return Solved(s, h, residual, factor, v)
 
 
 def dual_quadratic_solve(family: Family, x: Tensor, deficit: Tensor, sizes: Tensor,
@@ -246,28 +248,34 @@ def dual_quadratic_solve(family: Family, x: Tensor, deficit: Tensor, sizes: Tens
         alpha = 3/2:  sqrt(q) = (nu + R) / 2   (F convex in nu)
         alpha = 3:    q = (p + R) / 2          (F concave in nu)
 
-    Newton on F(nu) = sum_i q_i(nu) - 1 from a start on the side that makes it monotone:
-    alpha = 3/2 from nu = R / sum_i (p_i + R/k)^(1/2) (the alpha = 2 solution; F is convex, so
-    every start converges monotonically after the first step), alpha = 3 from the lower bound
-    nu >= max((R/k)^2, R / sum_i 1/p_i) (q_i <= 1 and q_i >= p_i in eq. (5)).
-    H(k) = alpha nu - sum_i q_i^alpha.
+    Newton on F(nu) = sum_i (q_i(nu) - p_i) - R_k, the mass the map adds against the deficit:
+    sums of positive terms, with q - p from the roots without cancellation (alpha = 3/2:
+    sqrt(q) - sqrt(p) = (nu + nu^2 / (R + 2 sqrt(p))) / 2; alpha = 3: q - p = 2 nu / (R + p)),
+    so nu comes out to full relative precision however small R_k is (a support holding all
+    but 1e-40 of the mass: the map only adds mass, q_i >= p_i, down to its smallest entry).
+    Starts on the side that makes Newton monotone: alpha = 3/2 from nu = R / sum_i (p_i +
+    R/k)^(1/2) (the alpha = 2 solution; F convex, so every start converges monotonically after
+    the first step), alpha = 3 from the lower bound nu >= max((R/k)^2, R / sum_i 1/p_i) (q_i <= 1
+    and q_i >= p_i in eq. (5)). H(k) = alpha nu - sum_i q_i^alpha.
     """
     xs = _nonzero(x).unsqueeze(1)  # [n, 1, W']
     if family == Family.DUAL_THREE_HALVES:
+        # q - p = nu sqrt(q) and 2 sqrt(q) = nu + root = h: the added mass is nu sum h / 2,
+        # its derivative sum h^2 / (2 root)
         two_sqrt_p = 2.0 * torch.sqrt(xs)
+        twice = 2.0 * deficit
         nu = deficit / _masked_sum(torch.sqrt(xs + (deficit / sizes).unsqueeze(-1)), mask)
         for _ in range(iterations):
             root = quadratic_root(family, xs, nu.unsqueeze(-1), two_sqrt_p)
-            h = (nu.unsqueeze(-1) + root) * mask  # 2 sqrt(q) on the support
-            q4 = h * h  # 4 q
-            # dF/dnu = sum_i 2 q_i / root_i
-            nu = torch.addcdiv(nu, q4.sum(-1) - 4.0, (q4 / root).sum(-1), value=-0.5)
+            h = (nu.unsqueeze(-1) + root) * mask
+            nu = torch.addcdiv(nu, nu * h.sum(-1) - twice, (h * h / root).sum(-1), value=-1.0)
         root = quadratic_root(family, xs, nu.unsqueeze(-1), two_sqrt_p)
         h = (nu.unsqueeze(-1) + root) * mask
         q4 = h * h
-        residual = q4.sum(-1) * 0.25 - 1.0
         # q^(3/2) = (h / 2)^3 = q4 h / 8
-        return Solved(q4, torch.add(nu, (q4 * h).sum(-1), alpha=-1.0 / 12.0), residual, 0.5)
+        return Solved(q4, torch.add(nu, (q4 * h).sum(-1), alpha=-1.0 / 12.0),
+                      0.5 * nu * h.sum(-1) - deficit, 0.5)
+    # q - p = nu / q = 2 nu / (p + root): the added mass; its derivative sum 1 / root
     inverse_sums = torch.cumsum(torch.reciprocal(x), -1)
     if sizes.dim() == 1:  # every size of the window
         inverse_sums = inverse_sums[:, : sizes.shape[0]]
@@ -276,17 +284,17 @@ def dual_quadratic_solve(family: Family, x: Tensor, deficit: Tensor, sizes: Tens
     nu = torch.maximum((deficit / sizes) ** 2, deficit / inverse_sums)
     for _ in range(iterations):
         root = quadratic_root(family, xs, nu.unsqueeze(-1))
-        q2 = (xs + root) * mask  # 2 q
-        # dF/dnu = sum_i 1 / root_i
-        nu = torch.addcdiv(nu, q2.sum(-1) - 2.0, _masked_sum(torch.reciprocal(root), mask),
-                           value=-0.5)
+        added = (2.0 * nu.unsqueeze(-1) / (root + xs) * mask).sum(-1)
+        nu = torch.addcdiv(nu, added - deficit, _masked_sum(torch.reciprocal(root), mask),
+                           value=-1.0)
         # nu = q (q - p) >= 0; a rounding overshoot below 0 (no deficit) would make the
         # square root of nu NaN.
         nu = nu.clamp_min(0.0)
     root = quadratic_root(family, xs, nu.unsqueeze(-1))
-    q2 = (xs + root) * mask
-    residual = q2.sum(-1) * 0.5 - 1.0
-    return Solved(q2, torch.add(nu, (q2**3).sum(-1), alpha=-1.0 / 24.0), residual, 2.0)
+    gained = 2.0 * nu.unsqueeze(-1) / (root + xs) * mask
+    q2 = 2.0 * xs * mask + 2.0 * gained
+    return Solved(q2, torch.add(nu, (q2**3).sum(-1), alpha=-1.0 / 24.0),
+                  gained.sum(-1) - deficit, 2.0)
 
 
 def _solve(family: Family, cand: Candidates, deficit: Tensor, sizes: Tensor, mask: Tensor,
@@ -296,6 +304,50 @@ def _solve(family: Family, cand: Candidates, deficit: Tensor, sizes: Tensor, mas
     if family == Family.POWER:
         return power_solve(x, deficit, sizes, mask, alpha, iterations, below_two, above_two)
     return dual_quadratic_solve(family, x, deficit, sizes, mask, iterations)
+
+
+#: Newton steps of POWER's chosen map in the level form (`_power_map`).
+LEVEL_STEPS = 6
+#: POWER's linear-space solve (`power_solve`) meets sum q = 1 to rounding, so each q_i is
+#: exact to about 1e-16 absolutely: to 1e-8 relatively down to entries of this size. A fixed
+#: size is solved again in log space (`_power_map`: exact in the tail); an adaptive row whose
+#: support holds a smaller entry is not certified (the exact path decodes it; in a group whose
+#: every support fits the window the step does not ask, `step._may_flag`).
+POWER_RESOLUTION = 1e-8
+
+
+def _power_map(cand: Candidates, k: Tensor, alpha: Scalar, width: int, v: Tensor) -> Tensor:
+    """log T_k of POWER's chosen size per row, solved again in log space for the level
+    tau = log c of eq. (4) (q^b = p^b + c^b): Newton on log A(tau) = log R_k, A the mass the
+    map adds to the support (sum_i p_i expm1(softplus(b (tau - log p_i)) / b), positive terms),
+    from the window's v (or the lower end of the level's bracket, log(R/k) for b >= 1, where
+    it lies below). The linear-space solve of `power_solve` finds v to the rounding of
+    sum q = 1, which is all of v where the deficit R_k is below it (a support holding all but
+    1e-40 of the mass: its tail entries would get ~1e-17); this finds c to full relative
+    precision, so every entry is exact, q_i >= p_i."""
+    lp, x = cand.log_x[:, :width], cand.x[:, :width]
+    inside = _arange(width, k.device) < k.unsqueeze(-1)
+    b = column(alpha - 1.0)
+    log_r = torch.log(torch.gather(cand.deficit, 1, (k - 1).unsqueeze(-1)))  # [n, 1]
+    share = log_r - torch.log(k.unsqueeze(-1).to(lp.dtype))
+    low = torch.where(b >= 1.0, share, (torch.log(b) + share) / b) if isinstance(b, Tensor) \
+        else (share if b >= 1.0 else (math.log(b) + share) / b)
+    tau = torch.maximum(low, torch.log(v) / b + lp[:, :1])
+    tau = torch.where(torch.isfinite(tau), tau, low)
+    lp_in = torch.where(inside, lp, 0.0)
+    p = torch.where(inside, x, 0.0)
+    for _ in range(LEVEL_STEPS):
+        z = b * (tau - lp_in)
+        lift = torch.nn.functional.softplus(z, threshold=40.0) / b
+        added = p * torch.expm1(lift)
+        total = added.sum(-1, keepdim=True)
+        slope = ((p + added) * torch.sigmoid(z)).sum(-1, keepdim=True)
+        tau = tau + torch.nan_to_num((log_r - torch.log(total)) * total / slope, nan=0.0,
+                                     posinf=0.0, neginf=0.0)
+    lift = torch.nn.functional.softplus(b * (tau - lp_in), threshold=40.0) / b
+    lift = torch.where(torch.isneginf(log_r), 0.0, lift)  # (no deficit: q = p)
+    log_q = torch.where(inside & (x > 0), lp + lift, -math.inf)
+    return log_q - torch.logsumexp(log_q, -1, keepdim=True)
 
 
 def iterative_search(family: Family, cand: Candidates, alpha: Scalar, lam: Scalar,
@@ -321,8 +373,9 @@ def iterative_search(family: Family, cand: Candidates, alpha: Scalar, lam: Scala
     if low is not None:
         stop &= count[:-1] >= low.unsqueeze(-1)
     k = first_stop(stop, window)
-    pick = (k - 1).view(-1, 1, 1).expand(-1, 1, window)
-    log_q = support_log(torch.gather(solved.q, 1, pick).squeeze(1))
+    at = (k - 1).unsqueeze(-1)
+    log_q = support_log(torch.gather(solved.q, 1, at.unsqueeze(-1).expand(-1, 1, window))
+                        .squeeze(1))
     if not certify:
         return Decoded(k, log_q, None)
     # Not certified: a size up to the limit did not converge, or a comparison of a size below
@@ -332,7 +385,10 @@ def iterative_search(family: Family, cand: Candidates, alpha: Scalar, lam: Scala
     close = ((drop - threshold).abs() <= rounding) & below
     # (written so that a NaN residual counts as not converged)
     unconverged = ~(solved.residual.abs() <= TOLERANCE) & (count <= limit.unsqueeze(-1))
-    unsure = close.any(-1) | unconverged.any(-1)
+    flags = [close, unconverged]
+    if family == Family.POWER:  # an entry of the support below the solve's resolution
+        flags.append(torch.gather(cand.x, 1, at) < POWER_RESOLUTION)
+    unsure = torch.cat(flags, -1).any(-1)
     past = None
     if not bounded:
         beyond = _beyond_window(k, limit, window)
@@ -353,6 +409,8 @@ def iterative_fixed(family: Family, cand: Candidates, alpha: Scalar, k: Tensor, 
     solved = _solve(family, cand, deficit, sizes, mask, alpha, iterations, width, below_two,
                     above_two)
     uncertain = ~(solved.residual.squeeze(-1).abs() <= TOLERANCE) if certify else None
+    if family == Family.POWER:
+        return Decoded(k, _power_map(cand, k, alpha, width, solved.multiplier), uncertain)
     return Decoded(k, support_log(solved.q.squeeze(1)), uncertain)
 
 
