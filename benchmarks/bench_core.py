@@ -341,7 +341,9 @@ TINY, BIGGEST, LIMIT = 5e-324, 1.7976931348623157e308, 1e8
 #: (`bregman_vllm.params`: alpha next to 0, next to 1 and at +-1e8 or +-inf, lambda 0 to the
 #: largest double, k_max / top_k 1 to 2^31 - 1), the values of issue 18's findings (now the
 #: range ends), and the costliest interior values known: a tiny lambda with an iterative or a
-#: general dual alpha (k* in the thousands: the exact path's nested root finding).
+#: general dual alpha (k* in the thousands: the exact path's nested root finding), and the
+#: cases of issue 25 (the attack: dual alpha 10, lambda 1e-100; primal alpha 1, 1.5, 3 at a tiny
+#: lambda).
 EXTREMES: dict[str, dict] = {
     "default primal a=1.5 lam=1e-2": dict(alpha=1.5, lam=1e-2),
     "primal a=5e-324": dict(alpha=TINY, lam=1e-2),
@@ -369,6 +371,9 @@ EXTREMES: dict[str, dict] = {
     "dual top_k=50 a=1e8": dict(alpha=LIMIT, lam=0.0, top_k=50, mode="dual"),
     "dual top_k=50 a=inf": dict(alpha=math.inf, lam=0.0, top_k=50, mode="dual"),
     "primal a=3 lam=1e-12 (interior)": dict(alpha=3.0, lam=1e-12),
+    "primal a=1 lam=1e-12 (interior)": dict(alpha=1.0, lam=1e-12),
+    "primal a=1.5 lam=1e-12 (interior)": dict(alpha=1.5, lam=1e-12),
+    "dual a=10 lam=1e-100 (interior)": dict(alpha=10.0, lam=1e-100, mode="dual"),
     "dual a=2.5 lam=1e-12 (interior)": dict(alpha=2.5, lam=1e-12, mode="dual"),
     "dual a=1.001 lam=1e-2 (interior)": dict(alpha=1.001, lam=1e-2, mode="dual"),
     # the costliest of the parameter sweep (`sweep_table`, [8, 49152] and [4, 4096]):
@@ -447,8 +452,9 @@ def extremes_table(args, device: str) -> None:
               f"the median of its calls in this table so far; work x / ops x: counted elements / "
               f"launched ops over the default call's, eager)")
         print(f"{'case':<36} {'ms':>10} {'x default':>10} {'work x':>7} {'ops x':>6} "
-              f"{'finite':>6}" + (f" {'old ms':>10} {'new/old':>8} {'old work x':>10} "
-                                  f"{'old ops x':>9}" if old else ""))
+              f"{'finite':>6} {'x sort':>7}"
+              + (f" {'old ms':>10} {'new/old':>8} {'old work x':>10} {'old ops x':>9} "
+                 f"{'old x sort':>10}" if old else ""))
         default_kwargs = EXTREMES["default primal a=1.5 lam=1e-2"]
         default_call = lambda logits=logits: bregman_decode_logits(  # noqa: E731
             logits, **EXTREMES["default primal a=1.5 lam=1e-2"])
@@ -459,18 +465,20 @@ def extremes_table(args, device: str) -> None:
             old(logits, **default_kwargs)
             old_base = work(lambda logits=logits, kwargs=default_kwargs: old(logits, **kwargs))
         worst, worst_work = ("", 0.0), ("", 0.0)
+        worst_sort, worst_old_sort = ("", 0.0), ("", 0.0)
         defaults: list[float] = []
+        sort_call = lambda logits=logits: torch.sort(logits, -1, descending=True)  # noqa: E731
         for name, kwargs in {**EXTREMES, **REFUSED}.items():
             call = lambda kwargs=kwargs, logits=logits: bregman_decode_logits(  # noqa: E731
                 logits, **kwargs)
-            calls, line = [default_call], f"{name:<36}"
+            calls, line = [default_call, sort_call], f"{name:<36}"
             try:
                 out = call()
                 finite = bool(torch.isfinite(torch.logsumexp(out.double(), -1)).all()) \
                     and not bool(out.isnan().any()) and not bool(out.isposinf().any())
                 calls.append(call)
             except BregmanParamError:
-                line += f" {'refused (400)':>21} {'':>7} {'':>6} {'':>6}"
+                line += f" {'refused (400)':>21} {'':>7} {'':>6} {'':>6} {'':>7}"
             old_note, old_counts = "", ""
             if old is not None:
                 try:
@@ -485,24 +493,32 @@ def extremes_table(args, device: str) -> None:
             seconds = _side_by_side(calls, device, max(1, args.repeats // 2))
             defaults.append(seconds[0])
             default = statistics.median(defaults)  # (the default of every case so far)
-            new = seconds[1] if len(calls) > 1 and calls[1] is call else None
+            sort = seconds[1]
+            new = seconds[2] if len(calls) > 2 and calls[2] is call else None
             if new is not None:
                 elements, launches = work(call)
                 multiple = (elements / base_work[0], launches / base_work[1])
                 line += f" {new * 1e3:10.2f} {new / default:10.1f} {multiple[0]:7.1f} " \
-                        f"{multiple[1]:6.1f} {'yes' if finite else 'NO':>6}"
+                        f"{multiple[1]:6.1f} {'yes' if finite else 'NO':>6} {new / sort:7.2f}"
                 if new / default > worst[1]:
                     worst = (name, new / default)
                 if max(multiple) > worst_work[1]:
                     worst_work = (name, max(multiple))
+                if new / sort > worst_sort[1]:
+                    worst_sort = (name, new / sort)
             if old is not None and not old_note:
                 ratio = f"{new / seconds[-1]:8.2f}" if new is not None else f"{'':>8}"
-                old_note = f" {seconds[-1] * 1e3:10.1f} {ratio}{nan}{old_counts}"
+                old_note = f" {seconds[-1] * 1e3:10.1f} {ratio}{nan}{old_counts} " \
+                           f"{seconds[-1] / sort:10.2f}"
+                if seconds[-1] / sort > worst_old_sort[1]:
+                    worst_old_sort = (name, seconds[-1] / sort)
             print(line + old_note, flush=True)
         print(f"default {statistics.median(defaults) * 1e3:.2f} ms (median over the cases), "
               f"{base_work[0] / 1e6:.2f} M elements, {base_work[1]} ops; worst time multiple "
               f"{worst[1]:.0f}x ({worst[0]}); worst counted multiple {worst_work[1]:.1f}x "
               f"({worst_work[0]}); bound M = {WORK_BOUND:.0f}x")
+        print(f"worst multiple of a sort of the same rows: {worst_sort[1]:.2f}x ({worst_sort[0]})"
+              + (f"; old core {worst_old_sort[1]:.2f}x ({worst_old_sort[0]})" if old else ""))
 
 
 #: The sweep's grid (``--only sweep``): per mode, alphas across the accepted range, and for each
@@ -523,19 +539,23 @@ def sweep_table(args, device: str) -> None:
     """The counted work of one `bregman_decode_logits` call (elements and launched ops over the
     default configuration's on the same rows, `work`) across `SWEEP_ALPHAS` x `sweep_lambdas`,
     on flat and on peaked rows: per (mode, alpha) the costliest lambda, then the costliest of
-    all against the bound ``WORK_BOUND``. Counts only: load-independent. ``--quick``: every
-    third alpha and lambda (a smoke run)."""
+    all against the bound ``WORK_BOUND``. The costliest lambda of each alpha is also timed,
+    alternating with a full `torch.sort` of the same rows (``x sort``; with ``--baseline``,
+    the old core on the same call beside them). ``--quick``: every third alpha and lambda (a
+    smoke run)."""
     batch, vocab = (int(x) for x in args.sweep_shape.lower().split("x"))
+    old = load_baseline(args.baseline, "bregman_decode_logits") if args.baseline else None
     g = torch.Generator(device="cpu").manual_seed(0)
     scale = 3.0 + 4.0 * torch.rand(batch, 1, generator=g)
     inputs = {"peaked": torch.randn(batch, vocab, generator=g) * scale,
               "flat": torch.randn(batch, vocab, generator=g) * 0.3}
     print(f"\nsweep at [{batch}, {vocab}]: the costliest lambda of each alpha (lambda = "
           f"10^(-alpha t), t in {SWEEP_EXPONENTS}); work x / ops x: counted elements / "
-          f"launched ops over the default call's (eager)")
+          f"launched ops over the default call's (eager); x sort: its time over a full "
+          f"torch.sort of the same rows, alternating")
     print(f"{'rows':<7} {'mode':<7} {'alpha':>7} {'lambda':>10} {'work x':>7} {'ops x':>6} "
-          f"{'median k*':>9} {'cases':>5}")
-    worst = (0.0, "")
+          f"{'median k*':>9} {'cases':>5} {'x sort':>7}" + (f" {'old x sort':>10}" if old else ""))
+    worst, worst_sort, worst_old = (0.0, ""), (0.0, ""), (0.0, "")
     for kind, logits in inputs.items():
         logits = logits.to(device)
 
@@ -560,13 +580,29 @@ def sweep_table(args, device: str) -> None:
                     rows.append((max(elements / base[0], launches / base[1]), lam,
                                  elements / base[0], launches / base[1], k))
                 top = max(rows)
-                line = (f"{kind:<7} {mode:<7} {alpha:>7g} {top[1]:>10.3g} {top[2]:>7.1f} "
-                        f"{top[3]:>6.1f} {top[4]:>9d} {len(rows):>5d}")
+                lam = top[1]
+                calls = [lambda logits=logits: torch.sort(logits, -1, descending=True),
+                         lambda logits=logits, alpha=alpha, mode=mode, lam=lam:
+                         bregman_decode_logits(logits, alpha=alpha, lam=lam, mode=mode)]
+                if old is not None:
+                    calls.append(lambda logits=logits, alpha=alpha, mode=mode, lam=lam:
+                                 old(logits, alpha=alpha, lam=lam, mode=mode))
+                seconds = _side_by_side(calls, device, max(1, args.repeats // 2))
+                line = (f"{kind:<7} {mode:<7} {alpha:>7g} {lam:>10.3g} {top[2]:>7.1f} "
+                        f"{top[3]:>6.1f} {top[4]:>9d} {len(rows):>5d} "
+                        f"{seconds[1] / seconds[0]:>7.2f}")
+                if old is not None:
+                    line += f" {seconds[2] / seconds[0]:>10.2f}"
+                    worst_old = max(worst_old, (seconds[2] / seconds[0], line))
                 print(line, flush=True)
-                if top[0] > worst[0]:
-                    worst = (top[0], line)
+                worst = max(worst, (top[0], line))
+                worst_sort = max(worst_sort, (seconds[1] / seconds[0], line))
     print(f"worst counted multiple {worst[0]:.1f}x ({' '.join(worst[1].split())}); "
           f"bound M = {WORK_BOUND:.0f}x")
+    print(f"worst multiple of a sort of the same rows {worst_sort[0]:.2f}x "
+          f"({' '.join(worst_sort[1].split())})"
+          + (f"; old core {worst_old[0]:.2f}x ({' '.join(worst_old[1].split())})" if old
+             else ""))
 
 
 def main() -> None:

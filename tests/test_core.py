@@ -16,7 +16,7 @@ import torch
 
 from bregman_vllm import bregman_decode, bregman_decode_logits, renormalize
 from bregman_vllm.core.dual import dual_log_renorm
-from bregman_vllm.core.exact import decode_exact, exact_plan, renorm_rows
+from bregman_vllm.core.exact import decode_exact, exact_plan, log_renorm, renorm_rows
 from bregman_vllm.core.families import Family
 from bregman_vllm.core.primal import newton_log_renorm, support_mask, three_halves_log_renorm
 
@@ -464,3 +464,73 @@ def test_alphas_beyond_the_limit_are_refused_everywhere_with_the_reason(value):
     BregmanParams(alpha=1e8)
     BregmanParams(alpha=-1e8, top_k=5)
     BregmanParams(mode="dual", alpha=math.inf, top_k=5)
+
+
+# ----------------------------------------------------------------------------- the tail
+
+
+def _tail_row(dtype: torch.dtype = F64, floor: float = 1e-60) -> torch.Tensor:
+    """Issue 25's row: 50 ordinary probabilities and 14 between 1e-40 and ``floor``, two pairs
+    of them tied, in a fixed shuffled order; 58 entries are kept, so the support holds all
+    but the mass of the 6 smallest (a deficit of about 1e-55)."""
+    g = torch.Generator().manual_seed(1)  # (a row the old window decoded to 54 entries)
+    ordinary = torch.softmax(torch.randn(50, generator=g, dtype=F64) * 2, -1) * (1 - 1e-39)
+    exponents = -40.0 + (math.log10(floor) + 40.0) * torch.rand(14, generator=g, dtype=F64)
+    tail = torch.sort(10.0 ** exponents, descending=True).values
+    tail[2], tail[5] = tail[1], tail[4]  # (ties inside the support, away from its edge)
+    p = torch.cat([ordinary, tail])
+    return p[torch.randperm(64, generator=g)].to(dtype)
+
+
+TAIL_FAMILIES = [("dual", 1.5), ("dual", 2.0), ("dual", 2.5), ("dual", 3.0), ("primal", 1.25),
+                 ("primal", 1.5), ("primal", 2.0), ("primal", 3.0), ("primal", 0.5)]
+
+
+@pytest.mark.parametrize(("mode", "alpha"), TAIL_FAMILIES)
+def test_maps_are_exact_in_the_tail(mode, alpha):
+    """Regression (issue 25): on a row whose support reaches probabilities of 1e-60 with a
+    deficit of 1e-55, dual alpha = 3/2 with k_max = 58 returned k = 58 with 52 to 57 positive
+    entries (q_i < p_i in the tail: the window's Newton met sum q = 1 only to rounding). Every
+    family now keeps all 58 entries, each q_i >= p_i (both maps only add mass, eqs. (4), (5)),
+    the window's solvers and the exact path's agree entry by entry, and the maps' equations
+    hold on the entries they lift (the primal's smallest: q ~ c >> p): q^(alpha-2) (q - p) =
+    nu (dual), q^b - p^b = c^b (primal), one nu, one c."""
+    p = _tail_row()
+    order = torch.sort(p, descending=True).indices
+    ps = p[order[:58]]
+    for sizes in ({"k_max": 58}, {"top_k": 58}):
+        out = bregman_decode(p, alpha=alpha, lam=0.0, mode=mode, **sizes)
+        assert int(out.k) == 58
+        q = out.probs[order[:58]]
+        assert (out.probs > 0).sum() == 58 and (q > 0).all()
+        # (to the rounding of log q, |log q| ulps: maps are solved and written in log space)
+        assert (q >= ps * (1 - 1e-13)).all(), (q / ps).min()
+        # the exact path's multiplier forms (`exact.log_renorm`, family EXACT) on the same row
+        log_p = torch.log(ps).unsqueeze(0)
+        deficit = torch.log(p[order[58:]].sum()).view(1)
+        general = log_renorm(Family.EXACT, mode, log_p, torch.tensor([58]),
+                             torch.tensor([alpha], dtype=F64), deficit).exp()[0]
+        assert ((q - general).abs() / general).max() < 1e-12
+        moved = (q - ps) > 1e-3 * q  # (where q - p is resolved: the smallest, lifted entries)
+        if moved.sum() >= 2:
+            qm, pm = q[moved], ps[moved]
+            if mode == "dual":
+                log_nu = (alpha - 2.0) * torch.log(qm) + torch.log(qm - pm)
+            else:
+                log_nu = torch.log(torch.abs(qm ** (alpha - 1.0) - pm ** (alpha - 1.0)))
+            assert (log_nu - log_nu[0]).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize(("mode", "alpha"), TAIL_FAMILIES)
+def test_float32_rows_at_the_floor_keep_every_support_entry(mode, alpha):
+    """The same row in float32, its tail between 1e-38 and the smallest subnormal (1.4e-45):
+    every kept entry stays positive and at least p (written in float32), k = 58."""
+    p = _tail_row(torch.float32, floor=2e-45)
+    order = torch.sort(p.double(), descending=True).indices
+    out = bregman_decode(p, alpha=alpha, lam=0.0, mode=mode, k_max=58)
+    assert out.probs.dtype == torch.float32
+    kept = int((p > 0).sum().clamp_max(58))
+    assert int(out.k) == kept
+    q = out.probs[order[:kept]]
+    assert (q > 0).all() and (q >= p[order[:kept]]).all()
+    assert (out.probs > 0).sum() == kept

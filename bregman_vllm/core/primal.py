@@ -195,7 +195,10 @@ def primal_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
     deficit = torch.exp(log_deficit)
     finite = positive[:, :near] & mask[:, :near]
     keep = mask[:, :near].to(dtype)
-    log_s = logsumexp_masked(log_p[:, :near], finite)
+    # log S_k = log(1 - R): from the deficit where the support's sum rounds to 1 (a tail below
+    # 1e-16 of the mass: the KL start would be -inf there), from the support otherwise.
+    log_s = torch.where(deficit < 0.5, torch.log1p(-deficit.clamp_max(0.5)),
+                        logsumexp_masked(log_p[:, :near], finite))
 
     def started(first: Tensor, low: Tensor, high: Tensor, i: Tensor) -> Tensor:
         if start is None:

@@ -1,0 +1,229 @@
+#!/usr/bin/env python
+"""Fairness end to end: what extreme requests do to a plain request beside them (issue 25).
+
+A real `bregman-serve` (vLLM's CPU engine, ``--enforce-eager``) on SmolLM2-135M-Instruct
+(vocabulary 49152) serves, in rounds that alternate:
+
+* ``plain x17``: 17 concurrent completions with the default Bregman parameters (primal,
+  alpha 1.5, lambda 1e-2): the reference latency of a plain request in a batch of 17;
+* ``<extreme> x16 + plain``: 16 concurrent completions with the extreme parameters and one plain
+  completion beside them, for each extreme: the attack of the issue (dual, alpha 10, lambda
+  1e-100) and the worst case of `bench_core.py --only sweep` (dual, alpha 20, lambda 1e-240).
+
+Every completion generates the same number of tokens (``ignore_eos``), so every step of the
+engine holds 17 rows. Printed: the plain request's latency in each setting, its median over the
+rounds, and its multiple of the plain batch's median latency (target at most 1.5x; the issue
+measured 18x with the core of f8423c3). ``--baseline REV`` runs the same rounds on a second
+server whose ``bregman_vllm`` is the one of git revision REV (`git archive`, put first on the
+server's PYTHONPATH), after the first server has stopped.
+
+Usage (wrap in the engine lock on a shared machine)::
+
+    flock /work/wt/engine.lock python benchmarks/bench_fairness.py [--tokens 32] [--rounds 3]
+        [--baseline f8423c3] [--json FILE]
+
+Exit status 1 if a target is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import io
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "models" / "smollm2-135m-instruct"
+TARGET = 1.5
+PLAIN = {"bregman_mode": "primal", "bregman_alpha": 1.5, "bregman_lambda": 0.01}
+EXTREMES = {
+    "attack: dual a=10 lam=1e-100": {"bregman_mode": "dual", "bregman_alpha": 10.0,
+                                     "bregman_lambda": 1e-100},
+    "sweep worst: dual a=20 lam=1e-240": {"bregman_mode": "dual", "bregman_alpha": 20.0,
+                                          "bregman_lambda": 1e-240},
+}
+BATCH = 17
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """One ``python -m bregman_server.cli`` process; ``core`` (a directory holding a
+    ``bregman_vllm`` package) goes first on its PYTHONPATH and is its working directory."""
+
+    def __init__(self, log: Path, core: Path | None = None) -> None:
+        self.port = _free_port()
+        self.log = log
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BREGMAN_")}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        if core is not None:
+            env["PYTHONPATH"] = os.pathsep.join(
+                [str(core), *filter(None, [env.get("PYTHONPATH")])])
+        with open(log, "wb") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "bregman_server.cli", "--model", str(MODEL), "--port",
+                 str(self.port), "--enforce-eager", "--max-num-seqs", "32"],
+                cwd=core or ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_healthy(self, timeout: float = 900.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n"
+                                   f"{self.log.read_text(errors='replace')[-3000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not healthy after {timeout:g} s")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(120)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+async def _complete(client: httpx.AsyncClient, fields: dict[str, Any], tokens: int,
+                    seed: int) -> float:
+    body = {"model": str(MODEL), "prompt": PROMPT, "max_tokens": tokens, "temperature": 1.0,
+            "seed": seed, "ignore_eos": True, **fields}
+    start = time.perf_counter()
+    response = await client.post("/v1/completions", json=body)
+    elapsed = time.perf_counter() - start
+    if response.status_code != 200:
+        raise RuntimeError(f"{response.status_code}: {response.text[:500]}")
+    usage = response.json()["usage"]["completion_tokens"]
+    if usage != tokens:
+        raise RuntimeError(f"{usage} tokens generated, not {tokens}")
+    return elapsed
+
+
+async def _batch(url: str, requests: list[dict[str, Any]], tokens: int) -> list[float]:
+    """Latencies of ``requests`` sent at once."""
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
+        return list(await asyncio.gather(*(_complete(client, fields, tokens, seed)
+                                            for seed, fields in enumerate(requests))))
+
+
+def measure(url: str, tokens: int, rounds: int) -> dict[str, list[float]]:
+    """Per setting, the plain request's latency (seconds) of each round: in ``plain x17`` the
+    median of the 17, beside the extremes the one plain request."""
+    asyncio.run(_batch(url, [PLAIN] * BATCH, tokens))  # warm-up
+    results: dict[str, list[float]] = {"plain x17": []}
+    for name in EXTREMES:
+        results[name] = []
+        results[name + " (extreme requests)"] = []
+    for number in range(rounds):
+        results["plain x17"].append(statistics.median(
+            asyncio.run(_batch(url, [PLAIN] * BATCH, tokens))))
+        for name, fields in EXTREMES.items():
+            latencies = asyncio.run(_batch(url, [fields] * (BATCH - 1) + [PLAIN], tokens))
+            results[name].append(latencies[-1])
+            results[name + " (extreme requests)"].append(statistics.median(latencies[:-1]))
+        print(f"  round {number + 1}: " + ", ".join(
+            f"{name.split(':')[0]} {values[-1]:.2f} s" for name, values in results.items()),
+            flush=True)
+    return results
+
+
+def report(label: str, results: dict[str, list[float]]) -> tuple[str, float]:
+    reference = statistics.median(results["plain x17"])
+    lines = [f"\n{label}: plain request latency (median of {len(results['plain x17'])} rounds)",
+             f"{'setting':<52} {'seconds':>8} {'x plain x17':>12}"]
+    worst = 0.0
+    for name, values in results.items():
+        value = statistics.median(values)
+        ratio = value / reference
+        if name in EXTREMES:
+            worst = max(worst, ratio)
+        shown = name if name == "plain x17" or name.endswith(")") else f"{name} x16 + plain"
+        lines.append(f"{shown:<52} {value:>8.2f} {ratio:>11.2f}x")
+    lines.append(f"worst plain latency beside extreme requests: {worst:.2f}x the plain batch's "
+                 f"(target {TARGET}x)")
+    return "\n".join(lines), worst
+
+
+def _baseline_core(revision: str, into: Path) -> Path:
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", revision, "bregman_vllm"],
+                          capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+        archive.extractall(into, filter="data")
+    return into
+
+
+def run(label: str, log: Path, tokens: int, rounds: int, core: Path | None
+        ) -> dict[str, list[float]]:
+    server = Server(log, core)
+    try:
+        start = time.monotonic()
+        server.wait_healthy()
+        print(f"{label}: server healthy after {time.monotonic() - start:.0f} s", flush=True)
+        return measure(server.url, tokens, rounds)
+    finally:
+        server.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--baseline", help="git revision of the core to measure beside")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if not MODEL.is_dir():
+        raise SystemExit(f"{MODEL} is missing: run `python scripts/prepare_models.py`")
+    print(f"{BATCH} concurrent completions of {args.tokens} tokens each, SmolLM2-135M-Instruct, "
+          f"CPU; {args.rounds} rounds", flush=True)
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        texts = []
+        results = run("this core", Path(scratch) / "server.log", args.tokens, args.rounds, None)
+        text, worst = report("this core", results)
+        out["this core"] = {"latencies": results, "worst": worst}
+        texts.append(text)
+        if args.baseline:
+            core = _baseline_core(args.baseline, Path(scratch) / "baseline")
+            old = run(f"core of {args.baseline}", Path(scratch) / "baseline.log", args.tokens,
+                      args.rounds, core)
+            text, old_worst = report(f"core of {args.baseline}", old)
+            out[args.baseline] = {"latencies": old, "worst": old_worst}
+            texts.append(text)
+        print("\n".join(texts))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    return 0 if worst <= TARGET else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
