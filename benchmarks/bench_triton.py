@@ -37,6 +37,7 @@ import math
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -389,10 +390,17 @@ def main() -> None:
     print(f"device {args.device}"
           + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else "")
           + f", torch {torch.__version__}, triton {triton.__version__}")
+    failed = []
     for name, section in SECTIONS.items():
         chosen = name in args.only if args.only else name not in NAMED_ONLY
         if chosen and name not in args.skip:
-            section(args)
+            try:  # (one failing section must not cost a GPU run the others' figures)
+                section(args)
+            except Exception:
+                traceback.print_exc()
+                failed.append(name)
+    if failed:
+        raise SystemExit(f"sections failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # An empty cache: the first warm-up compiles every kernel, the second loads them.
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$(mktemp -d)}"
 log="${OUT:-.}/gpu_run.log"
