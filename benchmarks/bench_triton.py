@@ -157,8 +157,9 @@ def exactness(args) -> None:
         got = step(logits.clone(), plan_for(name, kwargs, batch, vocab, args.device), "triton")
         line = f"  {name:<40}"
         for dtype in (torch.float32, torch.float64):
-            want = step(logits.to(dtype), plan_for(name, kwargs, batch, vocab, args.device),
-                        "torch")
+            # (a copy: the step decodes in place, and .to() of a float32 tensor is the tensor)
+            want = step(logits.to(dtype, copy=True),
+                        plan_for(name, kwargs, batch, vocab, args.device), "torch")
             decoded = want.k > 0
             same = int(((got.k == want.k) & decoded).sum())
             error = float((got.out.double().exp() - want.out.double().exp()).abs().max())
@@ -169,6 +170,8 @@ def exactness(args) -> None:
                 total["same"] += same
                 total["error"] = max(total["error"], error)
         print(line + ("" if error <= 1e-5 and same == int(decoded.sum()) else "   <- differs"))
+    assert torch.equal(logits, model_logits(batch, vocab, args.device, seed=1)), \
+        "the exactness section decoded its own input"
     print(f"  in all: {total['same']}/{total['rows']} rows with the float64 step's k*, "
           f"largest |q - q64| {total['error']:.1e}")
 
