@@ -296,7 +296,7 @@ def recompiles(args) -> None:
 #: Triton types of the kernels' arguments (for `compile_only`).
 _TYPES = dict(
     scores_ptr="*fp32", out_ptr="*fp32", stride="i32", out_stride="i32", vocab="i32",
-    blocks="i32", map_ptr="*i32", family_ptr="*i32", fixed_ptr="*i32", size_ptr="*i64",
+    blocks="i32", map_ptr="*i64", family_ptr="*i32", fixed_ptr="*i32", size_ptr="*i64",
     alpha_ptr="*fp64", lam_ptr="*fp64", iterations_ptr="*i32", scale_ptr="*fp32",
     temperature_ptr="*fp32", max_ptr="*fp32", mass_ptr="*fp32", x_ptr="*fp64",
     log_x_ptr="*fp64", deficit_ptr="*fp64", index_ptr="*i64", total_ptr="*fp64",

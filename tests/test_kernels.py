@@ -15,6 +15,7 @@ draft rows.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -279,9 +280,9 @@ def _context(order: list[int], rows_of: list[int] | None = None) -> LogitsContex
     mapping when requests have several rows (speculative decoding)."""
     expanded = order if rows_of is None else rows_of
     n = len(expanded)
-    return LogitsContext(
-        expanded_idx_mapping=torch.tensor(expanded, dtype=torch.int32, device=DEVICE),
-        idx_mapping=torch.tensor(order, dtype=torch.int32, device=DEVICE),
+    return LogitsContext(  # (int64 mappings, as Model Runner V2 makes them)
+        expanded_idx_mapping=torch.tensor(expanded, dtype=torch.int64, device=DEVICE),
+        idx_mapping=torch.tensor(order, dtype=torch.int64, device=DEVICE),
         idx_mapping_np=np.array(order), expanded_local_pos=torch.zeros(n, dtype=torch.int32),
         input_ids=torch.zeros(n, dtype=torch.int32), pos=torch.zeros(n, dtype=torch.int32),
         seq_lens_upper_bound_np=np.ones(len(order), dtype=np.int64))
@@ -420,6 +421,80 @@ def test_warm_up_runs_every_variant():
     before = kernel_step.LAUNCHES[0]
     kernels.warm_up(DEVICE, 512)
     assert kernel_step.LAUNCHES[0] - before == 2 * 5
+
+
+def _signatures(monkeypatch) -> set:
+    """Records what a launch compiles a variant for: the kernel, its tensor arguments' dtypes
+    and its compile-time constants (Triton specializes on each)."""
+    seen: set = set()
+    real = kernel_step._launch
+
+    def launch(kernel, grid, *args, **meta):
+        dtypes = tuple(arg.dtype for arg in args if isinstance(arg, torch.Tensor))
+        seen.add((kernel.fn.__name__, dtypes, tuple(sorted(meta.items()))))
+        with _disable_current_modes():
+            real(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(kernel_step, "_launch", launch)
+    return seen
+
+
+def test_the_processors_steps_run_only_variants_the_warm_up_compiled(monkeypatch):
+    """Model Runner V2's int64 ``expanded_idx_mapping``, V1's plan, a slot mapping of another
+    dtype (converted), batch sizes from 1 to 9: every launch is a variant the warm-up ran, so
+    no step compiles (the warm-up once ran an int32 mapping, and V2's first steps compiled
+    the read, select and decode kernels again)."""
+    monkeypatch.setenv("BREGMAN_BACKEND", "triton")
+    seen = _signatures(monkeypatch)
+    kernels.warm_up(DEVICE, 512)
+    warmed = set(seen)
+    seen.clear()
+    configs = [NARROW["kl"], NARROW["dual 3 k_max"], NARROW["keep all"], None]
+    proc = _v2(configs, 512)
+    for n in range(1, 10):
+        order = [row % len(configs) for row in range(n)]
+        proc.apply(model_logits(n, 512, seed=n), _context(order))
+    ctx = _context([0, 1])
+    ctx = dataclasses.replace(ctx, expanded_idx_mapping=ctx.expanded_idx_mapping.int())
+    proc.apply(model_logits(2, 512, seed=11), ctx)
+    v1 = BregmanLogitsProcessor(SimpleNamespace(), torch.device(DEVICE), False)
+    v1.update_state(BatchUpdate(2, [], [(0, SamplingParams(temperature=1.0, extra_args=
+                                                           NARROW["kl"]), None, [])], []))
+    v1.apply(model_logits(2, 512, seed=12))
+    assert seen and seen <= warmed, seen - warmed
+
+
+def test_the_step_allocates_no_scratch_when_the_batch_size_changes():
+    """One set of scratch buffers per vocabulary, window and dtype, grown to the largest batch
+    (by doubling), and its first n rows as cached views: the same batch sizes again allocate
+    nothing, and a smaller batch reuses the buffers of a larger one."""
+    args = (8, kernel_step.WINDOW, torch.float32, torch.device(DEVICE))
+    first = kernel_step._workspace(5, *args)
+    assert first.x.shape[0] == 5 and first.x.is_contiguous()
+    assert kernel_step._workspace(5, *args) is first
+    smaller = kernel_step._workspace(3, *args)
+    assert smaller.x.data_ptr() == first.x.data_ptr() and smaller.x.shape[0] == 3
+    larger = kernel_step._workspace(9, *args)  # grows to 16 rows
+    assert larger.x.shape[0] == 9 and kernel_step._workspace(16, *args).x.data_ptr() == \
+        larger.x.data_ptr()
+
+
+def test_a_slot_past_the_processors_slots_falls_back_to_the_plan(monkeypatch, caplog):
+    """A request slot past the max_num_reqs the processor was built for: decoded (by a plan,
+    as V2 without the slot columns) rather than an error out of vLLM's add_request."""
+    monkeypatch.setenv("BREGMAN_BACKEND", "triton")
+    proc = _v2([NARROW["kl"]], 512)
+    assert proc.table is not None
+    with caplog.at_level("WARNING", logger="bregman_vllm.adapter"):
+        assert proc.add_request(40, SamplingParams(temperature=1.0,
+                                                   extra_args=NARROW["top_k 3/2"]))
+    assert proc.table is None
+    assert any("past the 32 slots" in record.getMessage() for record in caplog.records)
+    logits = model_logits(2, 512, seed=13)
+    out = proc.apply(logits.clone(), _context([40, 0]))
+    want = decode_step(logits[:1].double(), plan_of([NARROW["top_k 3/2"]], 512), logits=True,
+                       backend="torch")
+    assert int((out[0] > -math.inf).sum()) == int(want.k[0])
 
 
 def test_bregman_decode_takes_the_kernels(monkeypatch):

@@ -265,6 +265,13 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
     def add_request(self, req_idx: int, sampling_params: SamplingParams) -> bool:
         """V2: (re)initialize a request slot; True when this request is Bregman-decoded."""
         wanted = self._wanted(sampling_params.extra_args) if self.enabled else None
+        if self.table is not None and req_idx >= self.table.slots:
+            # (a slot past the max_num_reqs the processor was built with): the plan path,
+            # which takes any slot, rather than an error out of vLLM's add_request
+            logger.warning("Bregman: request slot %d is past the %d slots the processor was "
+                           "built for; decoding with the torch step from now on", req_idx,
+                           self.table.slots)
+            self.table = None
         # Greedy requests are unaffected by an argmax-invariant processor: skip them.
         if wanted is not None and sampling_params.temperature >= _GREEDY_TEMPERATURE:
             row = self._row(wanted) if self.table is not None else None

@@ -414,42 +414,56 @@ class _Workspace(NamedTuple):
 
 
 _WORKSPACES: dict[tuple, _Workspace] = {}
+#: Views of the first n rows of a workspace, by (its key, n): a step allocates nothing.
+_ROWS_OF: dict[tuple, _Workspace] = {}
 
 
 def _workspace(n: int, blocks: int, width: int, dtype: torch.dtype, device: torch.device
                ) -> _Workspace:
-    """The step's scratch, kept per shape and thread (the stream orders one step's use after
-    the last's; a handful of shapes in an engine, the oldest dropped past 16)."""
-    key = (n, blocks, width, dtype, device, threading.get_ident())
+    """The step's scratch: one set of buffers per vocabulary, window, dtype, device and thread,
+    grown by doubling to the largest batch seen, and its first n rows as cached views (the
+    batch size changes nearly every step in an engine; the stream orders one step's use after
+    the last's)."""
+    key = (blocks, width, dtype, device, threading.get_ident())
+    rows = _ROWS_OF.get((key, n))
+    if rows is not None:
+        return rows
     space = _WORKSPACES.get(key)
-    if space is None:
+    if space is None or space.valid.shape[0] < n:
+        size = triton.next_power_of_2(max(n, 1))
+
         def empty(*shape, kind=torch.float64):
-            return torch.empty(shape, dtype=kind, device=device)
+            return torch.empty((size, *shape), dtype=kind, device=device)
 
         space = _Workspace(
-            empty(n, blocks, kind=torch.float32), empty(n, blocks, kind=torch.float32),
-            empty(n, width), empty(n, width), empty(n, width),
-            empty(n, width, kind=torch.long), empty(n), empty(n, kind=torch.bool),
-            empty(n, width, kind=dtype), empty(n, kind=torch.int32),
-            empty(n, kind=torch.bool), empty(n, kind=torch.int32), empty(n, kind=torch.long),
-            empty(n), empty(n))
-        if len(_WORKSPACES) >= 16:
+            empty(blocks, kind=torch.float32), empty(blocks, kind=torch.float32),
+            empty(width), empty(width), empty(width), empty(width, kind=torch.long), empty(),
+            empty(kind=torch.bool), empty(width, kind=dtype), empty(kind=torch.int32),
+            empty(kind=torch.bool), empty(kind=torch.int32), empty(kind=torch.long), empty(),
+            empty())
+        if key not in _WORKSPACES and len(_WORKSPACES) >= 16:
             _WORKSPACES.pop(next(iter(_WORKSPACES)))
         _WORKSPACES[key] = space
-    return space
+        for cached in [entry for entry in _ROWS_OF if entry[0] == key]:
+            del _ROWS_OF[cached]  # (views of the buffers just replaced)
+    if len(_ROWS_OF) >= 4096:
+        _ROWS_OF.clear()
+    rows = _ROWS_OF[(key, n)] = _Workspace(*(buffer[:n] for buffer in space))
+    return rows
 
 
 _IDENTITY: dict[tuple[int, torch.device], Tensor] = {}
 
 
 def _identity(n: int, device: torch.device) -> Tensor:
-    """The mapping of a table whose slots are the rows (made once per batch size)."""
+    """The mapping of a table whose slots are the rows (made once per batch size), int64 as
+    Model Runner V2's ``expanded_idx_mapping``: one compiled variant for both interfaces."""
     key = (n, device)
     mapping = _IDENTITY.get(key)
     if mapping is None:
         if len(_IDENTITY) >= 1024:
             _IDENTITY.clear()
-        mapping = _IDENTITY[key] = torch.arange(n, dtype=torch.int32, device=device)
+        mapping = _IDENTITY[key] = torch.arange(n, dtype=torch.int64, device=device)
     return mapping
 
 
@@ -475,6 +489,8 @@ def decode(scores: Tensor, table: RowTable, layout: Layout, *, logits: bool,
     columns = table.columns
     if mapping is None:
         mapping = _identity(n, device)
+    elif mapping.dtype != torch.int64:  # (vLLM's is int64: the variant the warm-up compiled)
+        mapping = mapping.long()
     splits = max(1, min(triton.cdiv(blocks, TILE), triton.cdiv(PROGRAMS, n)))
     _launch(_read_kernel, (n, splits), scores, scores.stride(0), vocab, blocks, mapping,
             columns["family"], columns["scale"], space.block_max, space.block_mass,
