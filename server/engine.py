@@ -193,6 +193,18 @@ def vllm_namespace(settings: ServerSettings, vllm_args: Sequence[str]) -> argpar
         if getattr(args, flag[2:].replace("-", "_"), False):
             parser.error(f"{flag} is not supported by bregman-serve; run vLLM's own `vllm "
                          "serve` for it (deploy/README.md)")
+    # `vllm serve`'s own checks before it picks a launcher (`ServeSubcommand.cmd`, which cannot
+    # be called without running the server).
+    if args.api_server_count is not None and args.api_server_count < 1:
+        parser.error(f"--api-server-count {args.api_server_count} is vLLM's headless mode, "
+                     "not supported by bregman-serve; run vLLM's own `vllm serve --headless` "
+                     "for it (deploy/README.md)")
+    external = args.data_parallel_external_lb or args.data_parallel_rank is not None
+    hybrid = args.data_parallel_hybrid_lb or args.data_parallel_start_rank is not None
+    if external and hybrid:
+        parser.error("Cannot use more than one data parallel load balancing mode: "
+                     "--data-parallel-external-lb (or --data-parallel-rank) or "
+                     "--data-parallel-hybrid-lb (or --data-parallel-start-rank)")
     dropped = processor_dropped(args.speculative_config, not v1_runner_asked())
     if dropped:
         parser.error(dropped)
@@ -230,21 +242,28 @@ def configure_logging(level: str) -> None:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     server_logger = logging.getLogger("bregman_server")
     server_logger.handlers[:] = [handler]
-    server_logger.setLevel(level.upper())
+    # (NOTSET would defer to the root logger, which a library vLLM imports sets to ERROR)
+    server_logger.setLevel("DEBUG" if level == "notset" else level.upper())
     server_logger.propagate = False
 
 
 def api_server_count(args: argparse.Namespace) -> int:
     """How many API server processes: ``--api-server-count``, else ``vllm serve``'s default
     (the data-parallel size; one per node-local rank with a hybrid balancer, one with an
-    external balancer)."""
+    external balancer); at most one with elastic expert parallelism, as in ``vllm serve``."""
     if args.api_server_count is not None:
-        return int(args.api_server_count)
-    if args.data_parallel_external_lb or args.data_parallel_rank is not None:
-        return 1
-    if args.data_parallel_hybrid_lb or args.data_parallel_start_rank is not None:
-        return int(args.data_parallel_size_local or 1)
-    return int(args.data_parallel_size)
+        count = int(args.api_server_count)
+    elif args.data_parallel_external_lb or args.data_parallel_rank is not None:
+        count = 1
+    elif args.data_parallel_hybrid_lb or args.data_parallel_start_rank is not None:
+        count = int(args.data_parallel_size_local or 1)
+    else:
+        count = int(args.data_parallel_size)
+    if getattr(args, "enable_elastic_ep", False) and count > 1:
+        logger.warning("elastic EP runs at most one API server (as vllm serve): 1, not %d",
+                       count)
+        count = 1
+    return count
 
 
 def serve(settings: ServerSettings, vllm_args: Sequence[str]) -> int:

@@ -66,25 +66,35 @@ async def run_lifecycle(lifecycle: Lifecycle, settings: ServerSettings, app: Any
     if lifecycle.engine_died_signal is not None:
         loop.add_signal_handler(lifecycle.engine_died_signal, dead.set)
 
-    while not (server.started or stop.is_set()):
-        await asyncio.sleep(0.05)
-    if server.started:
-        lifecycle.serving = True
-        if lifecycle.on_serving is not None:
-            lifecycle.on_serving(server)
-    while not (stop.is_set() or dead.is_set() or getattr(engine, "errored", False)):
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), WATCH_INTERVAL)
-    if stop.is_set():
-        logger.info("shutting down: %g s for open requests", settings.graceful_timeout)
-        await end_open_requests(lifecycle, *SHUTDOWN, grace=settings.graceful_timeout)
-    else:
-        lifecycle.exit_status = ENGINE_DIED_EXIT_CODE
-        await end_open_requests(lifecycle, *ENGINE_DEAD, grace=0.0)
-        logger.error("the vLLM engine died: exiting with status %d in %g s",
-                     ENGINE_DIED_EXIT_CODE, settings.engine_exit_grace)
-        await asyncio.sleep(settings.engine_exit_grace)
-    server.should_exit = True
+    try:
+        while not (server.started or stop.is_set()):
+            await asyncio.sleep(0.05)
+        if server.started:
+            lifecycle.serving = True
+            if lifecycle.on_serving is not None:
+                try:  # (the ready line: a closed stdout must not end the watch)
+                    lifecycle.on_serving(server)
+                except Exception:
+                    logger.exception("the start-up callback failed; serving on")
+        while not (stop.is_set() or dead.is_set() or getattr(engine, "errored", False)):
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), WATCH_INTERVAL)
+        if stop.is_set():
+            logger.info("shutting down: %g s for open requests", settings.graceful_timeout)
+            await end_open_requests(lifecycle, *SHUTDOWN, grace=settings.graceful_timeout)
+        else:
+            lifecycle.exit_status = ENGINE_DIED_EXIT_CODE
+            await end_open_requests(lifecycle, *ENGINE_DEAD, grace=0.0)
+            logger.error("the vLLM engine died: exiting with status %d in %g s",
+                         ENGINE_DIED_EXIT_CODE, settings.engine_exit_grace)
+            await asyncio.sleep(settings.engine_exit_grace)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        # Our signal handlers replaced vLLM's: whatever failed here, the server still stops.
+        logger.exception("the shutdown watch failed: stopping the server")
+    finally:
+        server.should_exit = True
 
 
 async def end_open_requests(lifecycle: Lifecycle, reason: str, message: str, grace: float

@@ -35,9 +35,9 @@ class ServerSettings(BaseSettings):
     # --- where we listen -------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="Interface to listen on (0.0.0.0 in containers).")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
-        "info", description="Log level of the server; as a flag also vLLM's (its --log-level; "
-        "else vLLM's own: VLLM_LOGGING_LEVEL).")
+    log_level: Literal["critical", "error", "warning", "info", "debug", "notset"] = Field(
+        "info", description="Log level of the server (notset: everything, as debug); as a "
+        "flag also vLLM's (its --log-level; else vLLM's own: VLLM_LOGGING_LEVEL).")
 
     # --- what we serve ------------------------------------------------------------------------
     model: str | None = Field(None, description="Model that vLLM serves in this process.")
@@ -52,10 +52,11 @@ class ServerSettings(BaseSettings):
         64 * KiB, ge=1024, description="Largest request head: request line and headers (431); "
         "vLLM's --h11-max-incomplete-event-size, when given, wins.")
     max_connections: int = Field(
-        1024, ge=1, description="Open client connections at most. When all are open, a new "
-        "one is let in and closes the connection that has waited longest for its client to "
-        "send a request (0.1 s at least while there is headroom: half the cap again); with "
-        "every other connection being served, it is answered 503 and closed.")
+        1024, ge=1, description="Open client connections (a soft cap). When all are open, a "
+        "new one is let in and closes the connection that has waited longest for its client to "
+        "send a request (one that has waited 0.1 s at least while there is headroom beyond "
+        "the cap: half the cap, at least 16); with every other connection being served, it is "
+        "answered 503 and closed.")
     header_timeout: float = Field(
         10.0, gt=0, description="Seconds a client may take to send a request head (408).")
     body_timeout: float = Field(

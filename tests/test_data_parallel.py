@@ -104,6 +104,7 @@ def namespace(monkeypatch: pytest.MonkeyPatch) -> Any:
     (["--data-parallel-size", "2", "--data-parallel-rank", "1"], 1),  # an external balancer
     (["--data-parallel-size", "4", "--data-parallel-size-local", "2",
       "--data-parallel-start-rank", "2"], 2),  # hybrid: the node's own ranks
+    (["--data-parallel-size", "2", "--enable-elastic-ep"], 1),  # vllm serve caps it at 1
 ])
 def test_api_server_count_follows_vllm_serve(namespace: Any, args: list[str], count: int
                                              ) -> None:
@@ -117,6 +118,24 @@ def test_bad_combinations_of_vllm_flags_exit_2(namespace: Any,
         namespace("--data-parallel-size", "2", "--data-parallel-multi-port-external-lb")
     assert exited.value.code == 2
     assert "requires --data-parallel-size-local >= 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--api-server-count", "0"], "--api-server-count 0 is vLLM's headless mode"),
+    (["--data-parallel-size", "2", "--data-parallel-external-lb", "--data-parallel-hybrid-lb"],
+     "more than one data parallel load balancing mode"),
+    (["--data-parallel-size", "2", "--data-parallel-rank", "0", "--data-parallel-start-rank",
+      "0"], "more than one data parallel load balancing mode"),
+])
+def test_what_vllm_serve_refuses_before_its_launcher_exits_2(
+        namespace: Any, args: list[str], message: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`vllm serve`'s checks of its own command (not in the argument validation bregman-serve
+    calls): no API server (headless), two load-balancing modes."""
+    with pytest.raises(SystemExit) as exited:
+        namespace(*args)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag", ["--headless", "--data-parallel-multi-port-external-lb",

@@ -1385,3 +1385,44 @@ def test_openapi_fields_are_generated_from_the_parameter_model() -> None:
                                                       "maximum": 2**31 - 1}
     assert properties["bregman_lambda"]["anyOf"][0]["minimum"] == 0
     assert properties["bregman_alpha"]["anyOf"][1]["enum"] == ["inf", "-inf"]
+
+
+# --- the lifecycle inside vLLM's server ------------------------------------------------------
+
+
+def test_a_failing_ready_callback_still_lets_the_server_stop():
+    """`serving.run_lifecycle` replaces vLLM's signal handlers, so whatever fails inside it
+    must still stop uvicorn: here the ready-line callback raises (a closed stdout), then the
+    engine dies; the watch goes on, and the server is told to exit (it once ended the task
+    with the error, and nothing would ever stop the server)."""
+    from types import SimpleNamespace
+
+    from bregman_server.serving import run_lifecycle
+
+    def closed_stdout(server: Any) -> None:
+        raise BrokenPipeError("stdout closed")
+
+    server = SimpleNamespace(started=True, should_exit=False)
+    engine = SimpleNamespace(errored=False)
+    app = SimpleNamespace(state=SimpleNamespace(server=server, engine_client=engine))
+    lifecycle = Lifecycle(on_serving=closed_stdout)
+
+    async def run() -> None:
+        task = asyncio.create_task(run_lifecycle(lifecycle, ServerSettings(
+            engine_exit_grace=0.0), app))
+        await asyncio.sleep(0.3)
+        assert not task.done() and lifecycle.serving  # the watch survived the callback
+        engine.errored = True
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(run())
+    assert server.should_exit and lifecycle.exit_status == 3
+
+
+@pytest.mark.parametrize("level", ["DEBUG", "NOTSET", "warning"])
+def test_every_log_level_vllm_takes_is_taken(level: str) -> None:
+    """``--log-level`` is ours and vLLM's: every value vLLM accepts (NOTSET included) is
+    accepted, and reaches vLLM's flag in its own spelling."""
+    settings, vllm_args = parse_args(["--model", "m", "--log-level", level])
+    assert settings.log_level == level.lower()
+    assert vllm_args[-2:] == ["--log-level", level.upper()]
