@@ -15,8 +15,9 @@ on h11 through `BoundedH11Protocol`, which adds, per connection:
    `EVICT_AFTER` is never closed for room while there is headroom, so that every client has
    the time to send its head: when only young ones wait, the newcomer is let in beyond the cap
    (by at most `Room.headroom`: half the cap, at least 16) and room is made as soon as they
-   are old enough; with no headroom left, the young give way too, oldest first. Only when no other connection
-   waits for its client (every one is being served) is a newcomer answered 503 and closed. So
+   are old enough; with no headroom left, the young give way too, oldest first. Only when no
+   other connection waits for its client (every one is being served) is a newcomer answered
+   503 and closed. So
    clients that hold connections open, however many and however fast they reconnect, cannot
    lock out a client that sends its request;
 4. a deadline for the whole body of each request (``body_deadline`` plus `BODY_GRACE` seconds,
