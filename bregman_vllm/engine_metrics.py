@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from .params import DECODING_MODES
+
 #: Metric names (prometheus_client's names: counters show as ``NAME_total``).
 SUPPORT_SIZE = "bregman_support_size"
 EXACT_ROWS = "bregman_exact_path_rows"
@@ -40,7 +42,7 @@ FAILURES = "bregman_processor_failures"
 
 #: Upper bounds of the k* histogram: 1, 2, 4, ..., 2^17 (then +Inf, for vocabularies beyond).
 SUPPORT_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(18))
-MODES = ("primal", "dual")
+MODES = DECODING_MODES
 EXACT_REASONS = ("family", "uncertified")
 INTERFACES = ("v1", "v2")
 

@@ -220,6 +220,10 @@ def _size(value, name: str) -> int:
     return value
 
 
+#: The request fields of the four shared parameters, as error messages name them.
+REQUEST_NAMES = ("bregman_alpha", "bregman_lambda", "bregman_top_k", "bregman_k_max")
+
+
 def make_plan(
     mode: str,
     alpha,
@@ -373,7 +377,7 @@ def plan_requests(requests: Sequence[tuple[int, object]], *, batch: int, vocab: 
     """
     device = torch.device(device)
     by_key: dict[tuple[str, Family, bool], list[tuple[int, Row]]] = {}
-    names = ("bregman_alpha", "bregman_lambda", "bregman_top_k", "bregman_k_max")
+    names = REQUEST_NAMES
     seen: dict[object, Row] = {}
     for position, params in requests:
         row = seen.get(params)

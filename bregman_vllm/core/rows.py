@@ -40,17 +40,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..params import BregmanParams
+from ..params import DECODING_MODES, BregmanParams
 from .candidates import UNBOUNDED
 from .families import CLOSED_GAP_FAMILIES, ITERATIVE_FAMILIES, Family, newton_iterations
-from .plan import WIDE_WINDOW, WINDOW, Plan, _classify, _row_values, _window
+from .plan import REQUEST_NAMES, WIDE_WINDOW, WINDOW, Plan, _classify, _row_values, _window
 
 Tensor = torch.Tensor
 
 #: The family column's codes (0: a row that is not decoded).
 FAMILY_CODES: dict[Family, int] = {family: code for code, family in enumerate(Family, start=1)}
 FAMILIES: dict[int, Family] = {code: family for family, code in FAMILY_CODES.items()}
-MODES = ("primal", "dual")  # (engine_metrics.MODES: the mode column is 1 + an index here)
+MODES = DECODING_MODES  # (the mode column is 1 + an index here, as in engine_metrics)
 
 #: (name, dtype) of every device column.
 COLUMNS: tuple[tuple[str, torch.dtype], ...] = (
@@ -60,7 +60,6 @@ COLUMNS: tuple[tuple[str, torch.dtype], ...] = (
 #: Host-only columns: the candidate width a row needs, whether it may need the exact path
 #: after the window, whether only the exact path decodes it.
 _HOST = (("width", np.int32), ("flags", np.bool_), ("host", np.bool_))
-_NAMES = ("bregman_alpha", "bregman_lambda", "bregman_top_k", "bregman_k_max")
 
 
 @dataclass(frozen=True)
@@ -101,7 +100,7 @@ class Row:
         """The row of a request's (valid) parameters."""
         family, fixed, alpha, lam, size, cap, _ = _classify(
             params.mode, float(params.alpha), float(params.lam), params.top_k or 0,
-            params.k_max or 0, None, False, _NAMES, vocab, _row_values(params))
+            params.k_max or 0, None, False, REQUEST_NAMES, vocab, _row_values(params))
         return cls.of(family, fixed, alpha, lam, size if fixed else (cap or UNBOUNDED),
                       params.mode)
 
