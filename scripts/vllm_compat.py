@@ -96,7 +96,11 @@ def main() -> int:
         return 1
     print(f"vLLM {args.version}'s Python package ({package}) in front of the environment's vLLM",
           flush=True)
+    report.unlink(missing_ok=True)  # (never the summary of an earlier run)
     code = subprocess.run(command, cwd=ROOT, env=env).returncode
+    if not report.exists():
+        print(f"pytest wrote no report (exit status {code})")
+        return code or 1
     counts, failed = summary(report)
     modules = sorted({module for module, _ in counts})
     print(f"\nvLLM {args.version}, every test that needs no engine, by module:")

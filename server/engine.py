@@ -422,7 +422,7 @@ def _serve_many(args: argparse.Namespace, settings: ServerSettings, count: int) 
     ended: list[Any] = []
     while not (stop.is_set() or ended):
         if not announced and ready.value == count:
-            tls = bool(args.ssl_keyfile and args.ssl_certfile)
+            tls = bool(args.ssl_keyfile or args.ssl_certfile)  # (uvicorn's Config.is_ssl)
             print(ready_line(sock.getsockname(), tls, args, count), flush=True)
             announced = True
         ended = [watched[sentinel] for sentinel in connection.wait(list(watched), WATCH_INTERVAL)]
