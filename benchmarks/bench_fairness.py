@@ -14,8 +14,8 @@ Every completion generates the same number of tokens (``ignore_eos``), so every 
 engine holds 17 rows. Printed: the plain request's latency in each setting, its median over the
 rounds, and its multiple of the plain batch's median latency (target at most 1.5x; the issue
 measured 18x with the core of f8423c3). ``--baseline REV`` runs the same rounds on a second
-server whose ``bregman_vllm`` is the one of git revision REV (`git archive`, put first on the
-server's PYTHONPATH), after the first server has stopped.
+server whose ``bregman_vllm`` and server are those of git revision REV (`git archive`, put
+first on its PYTHONPATH), after the first server has stopped.
 
 Usage (wrap in the engine lock on a shared machine)::
 
@@ -29,12 +29,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import io
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +44,10 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.test_server_support import ServerProcess, server_environment  # noqa: E402
+
 MODEL = ROOT / "models" / "smollm2-135m-instruct"
 TARGET = 1.5
 PLAIN = {"bregman_mode": "primal", "bregman_alpha": 1.5, "bregman_lambda": 0.01}
@@ -58,60 +59,6 @@ EXTREMES = {
 }
 BATCH = 17
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    """One ``python -m bregman_server.cli`` process; ``core`` (a directory holding a
-    ``bregman_vllm`` package) goes first on its PYTHONPATH and is its working directory."""
-
-    def __init__(self, log: Path, core: Path | None = None) -> None:
-        self.port = _free_port()
-        self.log = log
-        env = {k: v for k, v in os.environ.items() if not k.startswith("BREGMAN_")}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-        env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-        if core is not None:
-            env["PYTHONPATH"] = os.pathsep.join(
-                [str(core), *filter(None, [env.get("PYTHONPATH")])])
-        with open(log, "wb") as out:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "bregman_server.cli", "--model", str(MODEL), "--port",
-                 str(self.port), "--enforce-eager", "--max-num-seqs", "32"],
-                cwd=core or ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def wait_healthy(self, timeout: float = 900.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n"
-                                   f"{self.log.read_text(errors='replace')[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy after {timeout:g} s")
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(120)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
 
 
 async def _complete(client: httpx.AsyncClient, fields: dict[str, Any], tokens: int,
@@ -174,24 +121,35 @@ def report(label: str, results: dict[str, list[float]]) -> tuple[str, float]:
     return "\n".join(lines), worst
 
 
-def _baseline_core(revision: str, into: Path) -> Path:
-    data = subprocess.run(["git", "-C", str(ROOT), "archive", revision, "bregman_vllm"],
-                          capture_output=True, check=True).stdout
+def _baseline_tree(revision: str, into: Path) -> Path:
+    """The plugin and the server of git revision ``revision`` (``bregman_vllm``, and ``server``
+    as the ``bregman_server`` package it is installed as): a server and a core that belong
+    together (today's server does not run an older ``bregman_vllm``)."""
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", revision, "bregman_vllm",
+                           "server"], capture_output=True, check=True).stdout
     with tarfile.open(fileobj=io.BytesIO(data)) as archive:
         archive.extractall(into, filter="data")
+    (into / "server").rename(into / "bregman_server")
     return into
 
 
 def run(label: str, log: Path, tokens: int, rounds: int, core: Path | None
         ) -> dict[str, list[float]]:
-    server = Server(log, core)
+    env = server_environment()
+    env["VLLM_CPU_KVCACHE_SPACE"] = "2"
+    env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    if core is not None:  # its packages first (and the working directory: first on the path)
+        env["PYTHONPATH"] = os.pathsep.join([str(core), *filter(None, [env.get("PYTHONPATH")])])
+    server = ServerProcess(["--model", str(MODEL), "--enforce-eager", "--max-num-seqs", "32"],
+                           log, env=env, cwd=core or ROOT)
     try:
         start = time.monotonic()
-        server.wait_healthy()
+        server.start().wait_healthy(timeout=900)
         print(f"{label}: server healthy after {time.monotonic() - start:.0f} s", flush=True)
         return measure(server.url, tokens, rounds)
     finally:
-        server.stop()
+        server.stop(120)
+        server.kill_everything()
 
 
 def main() -> int:
@@ -213,7 +171,7 @@ def main() -> int:
         out["this core"] = {"latencies": results, "worst": worst}
         texts.append(text)
         if args.baseline:
-            core = _baseline_core(args.baseline, Path(scratch) / "baseline")
+            core = _baseline_tree(args.baseline, Path(scratch) / "baseline")
             old = run(f"core of {args.baseline}", Path(scratch) / "baseline.log", args.tokens,
                       args.rounds, core)
             text, old_worst = report(f"core of {args.baseline}", old)

@@ -199,9 +199,7 @@ def vllm_namespace(settings: ServerSettings, vllm_args: Sequence[str]) -> argpar
         parser.error(f"--api-server-count {args.api_server_count} is vLLM's headless mode, "
                      "not supported by bregman-serve; run vLLM's own `vllm serve --headless` "
                      "for it (deploy/README.md)")
-    external = args.data_parallel_external_lb or args.data_parallel_rank is not None
-    hybrid = args.data_parallel_hybrid_lb or args.data_parallel_start_rank is not None
-    if external and hybrid:
+    if len(_balancers(args)) > 1:
         parser.error("Cannot use more than one data parallel load balancing mode: "
                      "--data-parallel-external-lb (or --data-parallel-rank) or "
                      "--data-parallel-hybrid-lb (or --data-parallel-start-rank)")
@@ -247,15 +245,26 @@ def configure_logging(level: str) -> None:
     server_logger.propagate = False
 
 
+def _balancers(args: argparse.Namespace) -> list[str]:
+    """The data-parallel load-balancing modes the flags ask for, as `vllm serve` reads them
+    (an external balancer: ``--data-parallel-external-lb`` or a rank; a hybrid one:
+    ``--data-parallel-hybrid-lb`` or a start rank)."""
+    return [mode for mode, asked in (
+        ("external", args.data_parallel_external_lb or args.data_parallel_rank is not None),
+        ("hybrid", args.data_parallel_hybrid_lb or args.data_parallel_start_rank is not None))
+        if asked]
+
+
 def api_server_count(args: argparse.Namespace) -> int:
     """How many API server processes: ``--api-server-count``, else ``vllm serve``'s default
     (the data-parallel size; one per node-local rank with a hybrid balancer, one with an
     external balancer); at most one with elastic expert parallelism, as in ``vllm serve``."""
+    balancers = _balancers(args)
     if args.api_server_count is not None:
         count = int(args.api_server_count)
-    elif args.data_parallel_external_lb or args.data_parallel_rank is not None:
+    elif "external" in balancers:
         count = 1
-    elif args.data_parallel_hybrid_lb or args.data_parallel_start_rank is not None:
+    elif "hybrid" in balancers:
         count = int(args.data_parallel_size_local or 1)
     else:
         count = int(args.data_parallel_size)

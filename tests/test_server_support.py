@@ -175,8 +175,9 @@ class ServerProcess:
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
                  port: int | None = None, module: str = "bregman_server.cli",
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, cwd: Path = ROOT) -> None:
         self.module = module
+        self.cwd = cwd  # (the working directory comes first on a ``-m`` module's path)
         self.port = port or free_port()
         self.args = ["--port", str(self.port), *args]
         self.log_path = log_path
@@ -197,7 +198,7 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", self.module, *self.args], cwd=ROOT, env=self.env,
+                [sys.executable, "-m", self.module, *self.args], cwd=self.cwd, env=self.env,
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)
         return self
