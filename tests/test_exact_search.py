@@ -241,3 +241,75 @@ def test_k_star_in_the_tens_of_thousands_takes_a_few_probes(mode, alpha, lam, sp
     assert torch.isfinite(torch.logsumexp(out.double(), -1)).all()
     assert (k > 4096).all(), k  # the whole-row round
     assert counts["probes"] <= 6, counts
+
+
+@pytest.mark.parametrize(("alpha", "family"), [
+    (10.0, Family.EXACT), (2.5, Family.EXACT), (1.05, Family.EXACT),
+    (1.5, Family.DUAL_THREE_HALVES), (3.0, Family.DUAL_THREE)])
+def test_series_gaps_equal_the_exact_gaps_of_two_maps(alpha, family):
+    """One dual solve at m gives the gaps of the sizes next to it by series in its multiplier
+    (`series.series_bounds`): equal to the exact gap of the two maps each solved alone (the
+    search's `_exact_gap_at`) to well within the tolerance it decides with, on peaked and flat
+    rows, at sizes from hundreds to thousands; and the shifts s_j - s_m equal the maps' own."""
+    from bregman_vllm.core import series
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.cat([torch.randn(2, 8192, generator=g, dtype=F64) * 5.0,
+                        torch.randn(2, 8192, generator=g, dtype=F64) * 0.3])
+    cand = candidates(logits, 8192, logits=True)
+    a = torch.full((4,), alpha, dtype=F64)
+    past = series.SERIES_SIZES + 2
+    checked = 0
+    for m0 in (300, 2000, 6000):
+        m = torch.full((4,), m0)
+        log_deficit = exact._log_deficit(cand, m)
+        solved = exact._solved(family, "dual", cand.log_x, m, a, log_deficit, past=past)
+        exact_columns = m + past if family == Family.EXACT else torch.full_like(m, 8192)
+        bounds = series.series_bounds(cand.log_x, solved, m, a, torch.full((4,), 1e-30, dtype=F64),
+                                      log_deficit, exact_columns)
+        for d in (-8, -1, 0, 1, 4):
+            j = m + d
+            one = exact._solved(family, "dual", cand.log_x, j, a, exact._log_deficit(cand, j))
+            two = exact._solved(family, "dual", cand.log_x, j + 1, a,
+                                exact._log_deficit(cand, j + 1))
+            maps = [_normalized(x.log_q, support_mask(k, 8192)) for x, k in ((one, j),
+                                                                            (two, j + 1))]
+            log_gap = exact._exact_gap_at("dual", cand, j, a, maps[0], one.lift, maps[1],
+                                          two.lift)
+            column = d + series.SERIES_SIZES
+            known = torch.isfinite(bounds.log_gap[:, column])
+            checked += int(known.sum())
+            error = (bounds.log_gap[:, column] - log_gap)[known].abs()
+            assert (error <= series.SERIES_TOLERANCE / 10).all(), (m0, d, error)
+            shift = bounds.shift[:, column][known] - (one.s - solved.s)[known]
+            assert (shift.abs() <= 1e-6).all(), (m0, d, shift)
+    assert checked >= 20, checked  # (the series reaches sizes at each of these rows' scales)
+
+
+def test_one_dual_solve_decides_k_star_next_to_it(monkeypatch):
+    """The issue's attack row (dual alpha 10, lambda 1e-100, k* in the tens of thousands): the
+    probe at the predicted size decides k* by the series (no exact gap of two maps, no probe
+    of the next size), with fewer probes than without the series and the same k* and output
+    as the search without it (which decides by exact gaps)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 49152, generator=g) * torch.tensor([[3.5], [5.0]])
+    gaps = {"exact": 0}
+    exact_gap = exact._exact_gap_at
+
+    def counted(*args):
+        gaps["exact"] += 1
+        return exact_gap(*args)
+
+    monkeypatch.setattr(exact, "_exact_gap_at", counted)
+    counts = _counting(monkeypatch)
+    out, k = bregman_decode_logits(logits, alpha=10.0, lam=1e-100, mode="dual", return_k=True)
+    assert torch.isfinite(torch.logsumexp(out.double(), -1)).all()
+    assert (k > 4096).all() and (k < 49152).all(), k
+    assert gaps["exact"] == 0, gaps
+    with_series = counts["probes"]
+    monkeypatch.setattr(exact, "SERIES_SIZES", -1)  # (no size is ever predicted within -1)
+    counts["probes"] = 0
+    plain, k_plain = bregman_decode_logits(logits, alpha=10.0, lam=1e-100, mode="dual",
+                                           return_k=True)
+    assert torch.equal(k, k_plain) and torch.equal(out, plain)
+    assert with_series < counts["probes"], (with_series, counts)

@@ -414,7 +414,7 @@ def _shaped_start(lp: Tensor, finite: Tensor, mask: Tensor, beta: Tensor, log_de
 
 def dual_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Tensor, k: Tensor,
                     closed: Family | None = None, start: Tensor | None = None,
-                    state: Tensor | None = None) -> Multiplier:
+                    state: Tensor | None = None, past: int = 1) -> Multiplier:
     """T*_alpha for any finite alpha > 1 on the support ``mask`` (the first k columns), by its
     multiplier s = log nu, with the values the same nu gives every column (`roots.Multiplier`).
 
@@ -425,7 +425,9 @@ def dual_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Ten
     `FAR_TOLERANCE`. ``closed`` = ``DUAL_THREE_HALVES`` or ``DUAL_THREE`` (every row has
     that alpha): the inner solve is a formula (`quadratic_root`) and Newton runs on s alone.
     ``start`` / ``state``: s and the inner unknowns z of a nearby solve (a neighbouring support
-    size), used where they lie inside this solve's brackets.
+    size), used where they lie inside this solve's brackets. ``past``: the columns after the
+    support solved with it to the rounding floor (the exact path's series, `exact._series`,
+    reads them); the others get `FAR_STEPS`.
     """
     dtype = log_p.dtype
     beta = (alpha.to(dtype) - 1.0).unsqueeze(-1)
@@ -458,9 +460,9 @@ def dual_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Ten
     target = s.unsqueeze(-1) - beta * lp
     z_low, z_high = _inner_bracket(beta, target)
     z = torch.minimum(torch.maximum(z, z_low), z_high)
-    # The support and the next column are solved together to the rounding floor; the columns
-    # past them follow the same s with a few inner steps.
-    near = min(lp.shape[-1], int(k.max()) + 1)
+    # The support and the next ``past`` columns are solved together to the rounding floor; the
+    # columns past them follow the same s with a few inner steps.
+    near = min(lp.shape[-1], int(k.max()) + past)
     s, z_near, done = _joint_newton(lp[:, :near], finite[:, :near], mask[:, :near], beta,
                                     log_deficit, s, z[:, :near], low, high)
     if not bool(done.all()):

@@ -20,8 +20,10 @@ Pipeline, per batch of rows (vectorized over rows; loops run over rounds and pro
    w(p_(m+1), nu_m) (`gaps.log_entry_term`), which decides k* >= m or k* <= m (or both);
    the next size is predicted from nu_m by a Halley step of the maps' equations; a bracket of
    two adjacent sizes is decided by the exact gap of the two maps held, with the ratios
-   q_i / q'_i from the multipliers (no rounding of two normalized maps). A few probes, one
-   map each, where k* is in the tens of thousands. User generators (no multiplier) gallop
+   q_i / q'_i from the multipliers (no rounding of two normalized maps). A dual probe
+   predicted next to k* also decides the sizes beside its own by series in its multiplier
+   (`series`: their multipliers and exact gaps without another map). A few probes, one map
+   each, where k* is in the tens of thousands. User generators (no multiplier) gallop
    and bisect on exact gaps (`_bisect`). Greedy property and k-convexity (Theorems 3.1, 3.2
    and 3.3 of arXiv 2505.19371) make the first k with G(k) <= lambda the global minimizer. A
    row whose k* is not certified inside its W candidates goes to the next round with 8 W
@@ -44,7 +46,7 @@ import torch
 
 from .candidates import UNBOUNDED, Candidates, candidates, take
 from .dual import dual_log_renorm, dual_multiplier
-from .families import CLOSED_FORM_FAMILIES, CLOSED_GAP_FAMILIES, Family
+from .families import CLOSED_FORM_FAMILIES, CLOSED_GAP_FAMILIES, QUADRATIC_DUAL_FAMILIES, Family
 from .gaps import dual_log_gap, log_entry_term, primal_log_gap
 from .generators import (
     BregmanGenerator,
@@ -62,6 +64,7 @@ from .primal import (
     support_mask,
 )
 from .roots import Multiplier
+from .series import SERIES_REACH, SERIES_SIZES, SeriesBounds, series_bounds
 from .window import Decoded, closed_sizes, support_range
 from .write import output_values, write_support
 
@@ -341,14 +344,16 @@ class _Probe(NamedTuple):
     shift: Tensor
     state: Tensor | None
     rate: Tensor
+    series: SeriesBounds | None = None
 
 
 def _solved(family: Family | None, mode: str, log_p: Tensor, k: Tensor, alpha: Tensor,
-            log_deficit: Tensor, start: Tensor | None = None, state: Tensor | None = None
-            ) -> Multiplier:
-    """The map of support size k by its multiplier (`roots.Multiplier`), every column valued;
-    rows with no mass outside the support (log R = -inf) are the identity, q = p (with s =
-    -inf and no derivatives)."""
+            log_deficit: Tensor, start: Tensor | None = None, state: Tensor | None = None,
+            past: int = 1) -> Multiplier:
+    """The map of support size k by its multiplier (`roots.Multiplier`), every column valued
+    (the support and ``past`` columns after it to the rounding floor); rows with no mass
+    outside the support (log R = -inf) are the identity, q = p (with s = -inf and no
+    derivatives)."""
     mask = support_mask(k, log_p.shape[-1])
     identity = torch.isneginf(log_deficit)
     log_deficit = torch.where(identity, 0.0, log_deficit)  # (solved, then replaced)
@@ -356,8 +361,8 @@ def _solved(family: Family | None, mode: str, log_p: Tensor, k: Tensor, alpha: T
     if mode == "primal":
         solved = primal_multiplier(log_p, mask, a, log_deficit, k, start)
     else:
-        closed = family if family in (Family.DUAL_THREE_HALVES, Family.DUAL_THREE) else None
-        solved = dual_multiplier(log_p, mask, a, log_deficit, k, closed, start, state)
+        closed = family if family in QUADRATIC_DUAL_FAMILIES else None
+        solved = dual_multiplier(log_p, mask, a, log_deficit, k, closed, start, state, past)
     if not bool(identity.any()):
         return solved
     same = identity.unsqueeze(-1)
@@ -398,7 +403,25 @@ def _probe(family: Family | None, mode: str, cand: Candidates, m: Tensor, alpha:
     log_p = cand.log_x
     acol = alpha.to(log_p.dtype).unsqueeze(-1)
     warm = None if bool(torch.isnan(start).all()) else start
-    solved = _solved(family, mode, log_p, m, alpha, _log_deficit(cand, m), warm, state)
+    log_deficit = _log_deficit(cand, m)
+    dual = mode == "dual"
+    past = SERIES_SIZES + 2 if dual else 1
+    solved = _solved(family, mode, log_p, m, alpha, log_deficit, warm, state, past)
+
+    def series(guess: Tensor, shift: Tensor | None = None) -> SeriesBounds | None:
+        # Only for rows the multiplier's bounds left open, where k* is predicted next to m
+        # and (``shift``: the predicted s_j - s_m) the next size's multiplier is within the
+        # series' reach: elsewhere it would decide nothing.
+        near = ((guess - m).abs() <= SERIES_SIZES) & ~(below & at)
+        if shift is not None:
+            step = torch.gather(shift, 1, m.clamp_max(shift.shape[-1] - 1).unsqueeze(-1))
+            near &= step.squeeze(-1).abs() <= SERIES_REACH
+        if not dual or not bool(near.any()):
+            return None
+        exact_columns = torch.full_like(m, width) if family in QUADRATIC_DUAL_FAMILIES \
+            else m + past
+        return series_bounds(log_p, solved, m, alpha, lam, log_deficit, exact_columns)
+
     log_q = solved.log_q
     log_lam = torch.log(lam)
     pair = torch.stack([m - 1, m.clamp_max(width - 1)], -1)
@@ -410,7 +433,7 @@ def _probe(family: Family | None, mode: str, cand: Candidates, m: Tensor, alpha:
     normalized = _normalized(log_q, support_mask(m, width))
     if not predict:
         return _Probe(normalized, solved.lift, below, at, m, solved.s,
-                      torch.full_like(log_q, math.nan), solved.state, solved.rate)
+                      torch.full_like(log_q, math.nan), solved.state, solved.rate, series(m))
     # Sizes below the known lower bound need no prediction: the sums over their columns
     # are carried in one piece, the rest column by column.
     skip = max(0, min(int(low.min()) - 1, width - 1))
@@ -445,7 +468,7 @@ def _probe(family: Family | None, mode: str, cand: Candidates, m: Tensor, alpha:
     guess = torch.where(torch.isneginf(solved.s), m, stops.clamp_min(1))  # its size - 1
     shift = torch.nn.functional.pad(shift, (skip, 0), value=math.nan)
     return _Probe(normalized, solved.lift, below, at, guess, solved.s, shift, solved.state,
-                  solved.rate)
+                  solved.rate, series(guess, shift))
 
 
 def _warm_start(size: Tensor, s: Tensor, shift: Tensor, state: Tensor | None, rate: Tensor
@@ -537,7 +560,9 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
             # exact gap).
             ending = bool((hi - lo <= 1).all())
             columns = min(width, int(hi.max()) + 1, 2 * int(size.max()) + _SPARE_COLUMNS)
-            columns = min(width, int(size.max()) + 1) if ending else columns
+            # (a dual probe's series reads the sizes next to its own)
+            near = SERIES_SIZES + 2 if mode == "dual" else 1
+            columns = min(width, int(size.max()) + near) if ending else columns
             sub = take(cand, rows)
             sub = sub._replace(log_x=sub.log_x[:, :columns])
             start, state = _warm_start(size, last_s[rows], last_shift[rows, :columns],
@@ -559,6 +584,10 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
             at = rows[only]
             high[at], high_map[at], high_lift[at], has_high[at] = size[only], log_q[only], \
                 lift[only], True
+            if probe.series is not None:
+                _take_series(family, mode, cand, probe, rows, size, alpha, (log_q, lift),
+                             (low, high, has_low, has_high, low_map, low_lift, high_map,
+                              high_lift, cache, cached))
             guess[rows], last_s[rows] = probe.guess, probe.s
             last_shift[rows, :columns], last_rate[rows, :columns] = probe.shift, probe.rate
             if last_state is not None and probe.state is not None:
@@ -571,6 +600,58 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
             if bool(leave.any()):
                 at = rows[leave]
                 left[at], high[at] = True, low[at]
+
+
+def _take_series(family: Family | None, mode: str, cand: Candidates, probe: _Probe,
+                 rows: Tensor, size: Tensor, alpha: Tensor, maps: tuple[Tensor, Tensor],
+                 state: tuple[Tensor, ...]) -> None:
+    """Narrow the brackets of ``rows`` by what a dual probe's series decided of the sizes next
+    to its own (`series.series_bounds`), in place on the search's ``state`` (low, high, the
+    maps held at the ends, the cache of T_k*). An end moved to the probe's size holds its map;
+    a row whose bracket closes at another size gets T_k* solved from the series' multiplier."""
+    low, high, has_low, has_high, low_map, low_lift, high_map, high_lift, cache, cached = state
+    log_q, lift = maps
+    lo, hi = low[rows], high[rows]
+    new_lo = torch.maximum(lo, probe.series.low)
+    new_hi = torch.minimum(hi, probe.series.high)
+    use = (lo < hi) & (new_lo <= new_hi)  # (a bracket the probe itself closed stays so)
+    for moved, end, held, end_map, end_lift in ((use & (new_lo > lo), new_lo, has_low, low_map,
+                                                 low_lift),
+                                                (use & (new_hi < hi), new_hi, has_high,
+                                                 high_map, high_lift)):
+        if not bool(moved.any()):
+            continue
+        at, own = rows[moved], (end == size)[moved]
+        (low if end is new_lo else high)[at] = end[moved]
+        held[at] = own
+        end_map[at[own]], end_lift[at[own]] = log_q[moved][own], lift[moved][own]
+    closed = use & (new_lo == new_hi)
+    if not bool(closed.any()):
+        return
+    own = closed & (new_lo == size)
+    cache[rows[own]], cached[rows[own]] = log_q[own], True
+    other = (closed & ~own).nonzero().squeeze(-1)
+    if other.numel() == 0:
+        return
+    k = new_lo[other]
+    shift = torch.gather(probe.series.shift[other], 1,
+                         (k - size[other] + SERIES_SIZES).unsqueeze(-1)).squeeze(-1)
+    columns = int(k.max()) + 1
+    sub = take(cand, rows[other])
+    log_p = sub.log_x[:, :min(columns, sub.log_x.shape[-1])]
+    warm = None
+    if probe.state is not None:  # the inner unknowns moved to first order
+        z = probe.state[other, :log_p.shape[-1]]
+        u = torch.exp(z)
+        ahead = u + probe.rate[other, :log_p.shape[-1]] * shift.unsqueeze(-1)
+        warm = torch.where(ahead > 0.5 * u, torch.log(ahead), z)
+    solved = _solved(family, mode, log_p, k, alpha[rows[other]], _log_deficit(sub, k),
+                     probe.s[other] + shift, warm)
+    found = _normalized(solved.log_q, support_mask(k, log_p.shape[-1]))
+    target = rows[other]
+    cache[target] = -math.inf
+    cache[target, :found.shape[-1]] = found
+    cached[target] = True
 
 
 #: Rows probe in two groups when that saves this share of the columns (`_similar_sizes`) and

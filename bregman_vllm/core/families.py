@@ -103,6 +103,8 @@ CLOSED_FORM_FAMILIES = frozenset({Family.KL, Family.THREE_HALVES, Family.SQUARE,
                                   Family.ARGMAX})
 #: Families solved by a fixed number of Newton iterations per support size.
 ITERATIVE_FAMILIES = frozenset({Family.POWER, Family.DUAL_THREE_HALVES, Family.DUAL_THREE})
+#: The dual maps whose inner equation is a quadratic (`dual.quadratic_root`).
+QUADRATIC_DUAL_FAMILIES = frozenset({Family.DUAL_THREE_HALVES, Family.DUAL_THREE})
 
 
 def family_of(mode: str, alpha: float, fixed: bool, keep_all: bool = False) -> Family:
