@@ -74,17 +74,18 @@ class Live:
     def metrics(self) -> str:
         return httpx.get(self.url + "/metrics", headers=self.auth, timeout=5).text
 
+    # (vLLM exports its labelled samples once a request has used them: none is zero)
     def running(self) -> float:
-        return prometheus_value(self.metrics(), "vllm:num_requests_running")
+        return prometheus_value(self.metrics(), "vllm:num_requests_running", default=0.0)
 
     def finished(self) -> float:
         """Requests vLLM completed normally (stop string / EOS or length limit)."""
         text = self.metrics()
-        return sum(prometheus_value(text, "vllm:request_success_total", finished_reason=reason)
-                   for reason in ("stop", "length"))
+        return sum(prometheus_value(text, "vllm:request_success_total", default=0.0,
+                                    finished_reason=reason) for reason in ("stop", "length"))
 
     def generated(self) -> float:
-        return prometheus_value(self.metrics(), "vllm:generation_tokens_total")
+        return prometheus_value(self.metrics(), "vllm:generation_tokens_total", default=0.0)
 
 
 ENGINE_ARGS = ["--logprobs-mode", "processed_logprobs", "--max-num-seqs", "32",
