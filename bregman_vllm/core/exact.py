@@ -20,8 +20,8 @@ Pipeline, per batch of rows (vectorized over rows; loops run over rounds and pro
    w(p_(m+1), nu_m) (`gaps.log_entry_term`), which decides k* >= m or k* <= m (or both);
    the next size is predicted from nu_m by a Halley step of the maps' equations; a bracket of
    two adjacent sizes is decided by the exact gap of the two maps held, with the ratios
-   q_i / q'_i from the multipliers (no rounding of two normalized maps). A dual probe
-   predicted next to k* also decides the sizes beside its own by series in its multiplier
+   q_i / q'_i from the multipliers (no rounding of two normalized maps). A probe predicted
+   next to k* also decides the sizes beside its own by series in its multiplier
    (`series`: their multipliers and exact gaps without another map). A few probes, one map
    each, where k* is in the tens of thousands. User generators (no multiplier) gallop
    and bisect on exact gaps (`_bisect`). Greedy property and k-convexity (Theorems 3.1, 3.2
@@ -416,11 +416,23 @@ def _probe(family: Family | None, mode: str, cand: Candidates, m: Tensor, alpha:
         if shift is not None:
             step = torch.gather(shift, 1, m.clamp_max(shift.shape[-1] - 1).unsqueeze(-1))
             near &= step.squeeze(-1).abs() <= SERIES_REACH
-        if not dual or not bool(near.any()):
+        rows = near.nonzero().squeeze(-1)
+        if rows.numel() == 0:
             return None
-        exact_columns = torch.full_like(m, width) if family in QUADRATIC_DUAL_FAMILIES \
-            else m + past
-        return series_bounds(log_p, solved, m, alpha, lam, log_deficit, exact_columns)
+        # (the primal's and the quadratic dual maps' columns are closed forms in s)
+        exact_columns = m + past if dual and family not in QUADRATIC_DUAL_FAMILIES \
+            else torch.full_like(m, width)
+        if rows.numel() == m.numel():
+            return series_bounds(mode, log_p, solved, m, alpha, lam, log_deficit, exact_columns)
+        found = series_bounds(mode, log_p[rows], Multiplier(*(
+            None if t is None else t[rows] for t in solved)), m[rows], alpha[rows], lam[rows],
+            log_deficit[rows], exact_columns[rows])
+        every = SeriesBounds(torch.zeros_like(m), torch.full_like(m, torch.iinfo(m.dtype).max),
+                             *(torch.full((m.numel(), t.shape[-1]), math.nan, dtype=t.dtype,
+                                          device=t.device) for t in found[2:]))
+        for full, part in zip(every, found, strict=True):
+            full[rows] = part
+        return every
 
     log_q = solved.log_q
     log_lam = torch.log(lam)
@@ -576,9 +588,8 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
             # exact gap).
             ending = bool((hi - lo <= 1).all())
             columns = min(width, int(hi.max()) + 1, 2 * int(size.max()) + _SPARE_COLUMNS)
-            # (a dual probe's series reads the sizes next to its own)
-            near = SERIES_SIZES + 2 if mode == "dual" else 1
-            columns = min(width, int(size.max()) + near) if ending else columns
+            # (a probe's series reads the sizes next to its own)
+            columns = min(width, int(size.max()) + SERIES_SIZES + 2) if ending else columns
             sub = take(cand, rows)
             sub = sub._replace(log_x=sub.log_x[:, :columns])
             start, state = _warm_start(size, last_s[rows], last_shift[rows, :columns],
@@ -623,8 +634,8 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
 def _take_series(family: Family | None, mode: str, cand: Candidates, probe: _Probe,
                  rows: Tensor, size: Tensor, alpha: Tensor, maps: tuple[Tensor, Tensor],
                  state: tuple[Tensor, ...]) -> None:
-    """Narrow the brackets of ``rows`` by what a dual probe's series decided of the sizes next
-    to its own (`series.series_bounds`), in place on the search's ``state`` (low, high, the
+    """Narrow the brackets of ``rows`` by what a probe's series decided of the sizes next to
+    its own (`series.series_bounds`), in place on the search's ``state`` (low, high, the
     maps held at the ends, the cache of T_k*). An end moved to the probe's size holds its map;
     a row whose bracket closes at another size gets T_k* solved from the series' multiplier."""
     low, high, has_low, has_high, low_map, low_lift, high_map, high_lift, cache, cached = state

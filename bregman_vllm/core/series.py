@@ -1,7 +1,8 @@
-"""The dual gaps of the sizes next to a solved one, by series in the multiplier (no more maps).
+"""The gaps of the sizes next to a solved one, by series in the multiplier (no more maps).
 
-The exact path solves T*_m by its multiplier s_m = log nu_m (`dual.dual_multiplier`), which
-also gives every entry past the support the value the same nu would (`roots.Multiplier`).
+The exact path solves T*_m by its multiplier s_m = log nu_m (`dual.dual_multiplier`; the primal
+T_m by its scalar, `primal.primal_multiplier`, below), which also gives every entry past the
+support the value the same multiplier would (`roots.Multiplier`).
 Where k* is in the thousands, the multipliers of neighbouring sizes differ by little
 (|s_j - s_m| ~ q_(m+1) / sum_i dq_i/ds), so a Taylor series of the support's mass in s gives
 them, and their gaps, to far below the distance of a gap from lambda: one solve decides every
@@ -24,9 +25,16 @@ are closed forms of y_i: with e = expm1(y), g = 1 / (beta e + 1), beta = alpha -
 q (L1), q (L2 + L1^2) and q (L3 + 3 L1 L2 + L1^3); s_j solves the cubic of M_j about s_m,
 and the integral is the cubic's about s_j against e^-u, term by term.
 
-Used where every |s_j - s_m| is below `SERIES_REACH`, where the omitted terms are small
-(against the exact gaps of two maps, tests/test_exact_search.py: |log G| within 3e-8 at sizes
-300 to 6000 of peaked and flat rows, 1e-11 and below where |s_j - s_m| < 0.005), and a size is
+Primal (eq. (4)): the multiplier is nu = (q_i^beta - p_i^beta) / beta for every i, the scalar
+s the level tau = log c (beta > 0: nu = e^(beta tau) / beta) or delta = log(q_1 / p_1) (beta <
+0: d nu / ds = p_1^beta e^(beta delta)); with r = d log q / ds (a sigmoid of beta (tau - log
+p), resp. (q_1 / q)^beta), L2 = beta r (1 - r) and L3 = beta (1 - 2 r) L2, and the integral
+runs against e^(beta s) (the same identity: D_j'(nu) = 1 - M_j, D_j - D_(j+1) = w).
+
+Used where every |s_j - s_m| (primal: |beta (s_j - s_m)| for |beta| > 1, its derivatives
+growing as powers of beta) is below `SERIES_REACH`, where the omitted terms are small (against
+the exact gaps of two maps, tests/test_exact_search.py: |log G| within 3e-8 at sizes 300 to
+6000 of peaked and flat rows, dual alpha 1.05 to 10, primal 0.3 to 20), and a size is
 decided only where its gap is more than `SERIES_TOLERANCE` (relative) from lambda; the others
 stay with the probes and the exact gap of two maps.
 """
@@ -49,9 +57,10 @@ SERIES_SIZES = 32
 SERIES_REACH = 0.03
 #: Relative distance from lambda within which a series gap decides nothing.
 SERIES_TOLERANCE = 1e-6
-#: Terms of the series of the integrals of u^n e^-u (`_moments`): with delta <= 2 SERIES_REACH
-#: the first omitted one is below 1e-25 of the first.
-_MOMENT_TERMS = 6
+#: Terms of the series of the integrals of u^n e^(-b u) (`_moments`), and the largest |b delta|
+#: they are used for: the first omitted term is then below 1e-11 of the first.
+_MOMENT_TERMS = 10
+_MOMENT_REACH = 0.3
 
 
 class SeriesBounds(NamedTuple):
@@ -80,6 +89,14 @@ def _derivatives(beta: Tensor, lift: Tensor, finite: Tensor) -> tuple[Tensor, Te
             torch.where(finite, third, 0.0))
 
 
+def _primal_derivatives(beta: Tensor, rate: Tensor, curvature: Tensor
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """d^n log q / ds^n, n = 1, 2, 3, of the primal map in its scalar (`primal.
+    primal_multiplier`: the level tau = log c, or delta = log q_1 - log p_1): with r the rate,
+    r' = beta r (1 - r) (its curvature) and r'' = beta (1 - 2 r) r'."""
+    return rate, curvature, beta * (1.0 - 2.0 * rate) * curvature
+
+
 def _mass_terms(log_q: Tensor, first: Tensor, second: Tensor, third: Tensor) -> Tensor:
     """[3, ...] the terms of dM/ds, d^2M/ds^2, d^3M/ds^3 of the entries."""
     q = torch.exp(log_q)
@@ -87,27 +104,28 @@ def _mass_terms(log_q: Tensor, first: Tensor, second: Tensor, third: Tensor) -> 
                         q * (third + 3.0 * first * second + first ** 3)])
 
 
-def _moments(delta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """integral from 0 to delta of u^n e^-u du, n = 1, 2, 3, by their alternating series
-    (no cancellation for small delta)."""
+def _moments(delta: Tensor, rate: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """integral from 0 to delta of u^n e^(-rate u) du, n = 1, 2, 3, by their series (no
+    cancellation for small delta; |rate delta| <= `_MOMENT_REACH`)."""
     out = []
     for n in (1, 2, 3):
         total = torch.zeros_like(delta)
         factorial = 1.0
         for k in range(_MOMENT_TERMS):
             factorial *= max(k, 1)
-            total = total + (-1.0) ** k * delta ** (n + k + 1) / (factorial * (n + k + 1))
+            total = total + (-rate) ** k * delta ** (n + k + 1) / (factorial * (n + k + 1))
         out.append(total)
     return out[0], out[1], out[2]
 
 
-def series_bounds(log_p: Tensor, solved: Multiplier, m: Tensor, alpha: Tensor, lam: Tensor,
-                  log_deficit: Tensor, exact_columns: Tensor) -> SeriesBounds:
-    """Bounds on k* from the gaps G(j), |j - m| <= SERIES_SIZES, of a dual solve at m.
+def series_bounds(mode: str, log_p: Tensor, solved: Multiplier, m: Tensor, alpha: Tensor,
+                  lam: Tensor, log_deficit: Tensor, exact_columns: Tensor) -> SeriesBounds:
+    """Bounds on k* from the gaps G(j), |j - m| <= SERIES_SIZES, of a solve at m.
 
     Args:
+        mode: ``"primal"`` or ``"dual"``.
         log_p: ``[n, C]`` the candidates' log p, sorted.
-        solved: T*_m by its multiplier, every column valued (``[n, C]``).
+        solved: T_m or T*_m by its multiplier, every column valued (``[n, C]``).
         m: ``[n]`` the solved sizes; ``alpha``, ``lam``: ``[n]``; ``log_deficit``: log R_m.
         exact_columns: ``[n]`` columns the solve took to the rounding floor (the support and
             those after it): the series reads no other.
@@ -118,11 +136,20 @@ def series_bounds(log_p: Tensor, solved: Multiplier, m: Tensor, alpha: Tensor, l
     beta = (alpha.to(dtype) - 1.0).unsqueeze(-1)
     finite = torch.isfinite(log_p)
     # The whole support's sums at s_m (one pass), then the window's columns m - side .. m + side.
+    primal = mode == "primal"
+
+    def derivatives(lift: Tensor, finite: Tensor, rate: Tensor, curvature: Tensor
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+        if primal:
+            return _primal_derivatives(beta, rate, curvature)
+        return _derivatives(beta, lift, finite)
+
     prefix = int(m.max())
     lift, log_q = solved.lift[:, :prefix], solved.log_q[:, :prefix]
     inside = torch.arange(prefix, device=m.device) < m.unsqueeze(-1)
-    totals = torch.where(inside, _mass_terms(log_q, *_derivatives(beta, lift, finite[:, :prefix])),
-                         0.0).sum(-1)  # [3, n]
+    totals = torch.where(inside, _mass_terms(log_q, *derivatives(
+        lift, finite[:, :prefix], solved.rate[:, :prefix], solved.curvature[:, :prefix])),
+        0.0).sum(-1)  # [3, n]
     added = torch.where(finite[:, :prefix], torch.exp(log_p[:, :prefix]) * torch.expm1(lift),
                         torch.exp(log_q))
     residual = torch.exp(log_deficit) - torch.where(inside, added, 0.0).sum(-1)  # R_m - A_m
@@ -130,9 +157,10 @@ def series_bounds(log_p: Tensor, solved: Multiplier, m: Tensor, alpha: Tensor, l
     usable = (columns >= 0) & (columns < torch.minimum(exact_columns, torch.full_like(
         exact_columns, width)).unsqueeze(-1))
     at = columns.clamp(0, width - 1)
-    lp, log_q, lift, here_finite = (torch.gather(t, 1, at) for t in (log_p, solved.log_q,
-                                                                      solved.lift, finite))
-    l1, l2, l3 = _derivatives(beta, lift, here_finite)
+    lp, log_q, lift, here_finite, rate, curvature = (
+        torch.gather(t, 1, at) for t in (log_p, solved.log_q, solved.lift, finite, solved.rate,
+                                         solved.curvature))
+    l1, l2, l3 = derivatives(lift, here_finite, rate, curvature)
     w_terms = torch.where(usable, _mass_terms(log_q, l1, l2, l3), 0.0)
     w_mass = torch.where(usable, torch.exp(log_q), 0.0)
     pad = torch.nn.functional.pad
@@ -157,21 +185,28 @@ def series_bounds(log_p: Tensor, solved: Multiplier, m: Tensor, alpha: Tensor, l
         value = f - shift * (m1 + shift * (0.5 * m2 + shift * m3 / 6.0))
         slope = m1 + shift * (m2 + 0.5 * shift * m3)
         shift = shift + value / slope
-    valid &= torch.isfinite(shift) & (shift.abs() <= SERIES_REACH) & (m1 > 0)
+    # (the primal's derivatives in s grow as powers of beta: its reach is in beta s)
+    scale = beta.abs().clamp_min(1.0) if primal else torch.ones_like(beta)
+    valid &= torch.isfinite(shift) & ((scale * shift).abs() <= SERIES_REACH) & (m1 > 0)
     shift = torch.where(valid, shift, math.nan)
     # G(j) for j = m - side .. m + side (index a: s_j at a, s_(j+1) at a + 1, entry j + 1 at a)
     here, there = shift[:, :-1], shift[:, 1:]
     delta = here - there
     g1 = m1[:, :-1] + here * (m2[:, :-1] + 0.5 * here * m3[:, :-1])
     g2 = m2[:, :-1] + here * m3[:, :-1]
-    j1, j2, j3 = _moments(delta)
+    # d nu / ds = e^(b s) K: the dual's s = log nu (b = 1); the primal's nu = (q_i^beta -
+    # p_i^beta) / beta, so d nu / ds = q_i^beta d log q_i / ds for any i: e^(beta tau) at the
+    # level tau, p_1^beta e^(beta delta) at delta = log(q_1 / p_1) (beta < 0).
+    b = beta if primal else torch.ones_like(beta)
+    log_k = torch.where(beta < 0, beta * log_p[:, :1], 0.0) if primal else torch.zeros_like(beta)
+    j1, j2, j3 = _moments(delta, b)
     integral = g1 * j1 - 0.5 * g2 * j2 + m3[:, :-1] * j3 / 6.0
-    log_integral = solved.s.unsqueeze(-1) + here + torch.log(integral)
+    log_integral = log_k + b * (solved.s.unsqueeze(-1) + here) + torch.log(integral)
     moved = log_q + there * (l1 + there * (0.5 * l2 + there * l3 / 6.0))
-    log_w = log_entry_term("dual", lp, moved, alpha.to(dtype).unsqueeze(-1))
+    log_w = log_entry_term(mode, lp, moved, alpha.to(dtype).unsqueeze(-1))
     log_gap = torch.logaddexp(log_w, log_integral)
     known = valid[:, :-1] & valid[:, 1:] & (delta > 0) & (integral > 0) \
-        & torch.isfinite(log_gap)
+        & ((b * delta).abs() <= _MOMENT_REACH) & torch.isfinite(log_gap)
     margin = torch.log(lam).unsqueeze(-1)
     exceeds = known & (log_gap > margin + SERIES_TOLERANCE)
     stops = known & (log_gap < margin - SERIES_TOLERANCE)
