@@ -498,20 +498,22 @@ def _warm_start(size: Tensor, s: Tensor, shift: Tensor, state: Tensor | None,
 
 
 def _state_drift(solved: Multiplier) -> Tensor | None:
-    """dz/ds and d^2z/ds^2 of the dual's inner unknowns z = log y (y = log(q / p), [2, r, C]):
-    z' = y'/y, z'' = y''/y - z'^2, with y' and y'' the map's rate and curvature."""
+    """What moves the dual's inner unknowns with s (`_moved_state`): the map's rate and
+    curvature, dy/ds and d^2y/ds^2 of y = log(q / p) ([2, r, C]); None for the primal."""
     if solved.state is None:
         return None
-    first = solved.rate * torch.exp(-solved.state)
-    return torch.stack([first, solved.curvature * torch.exp(-solved.state) - first * first])
+    return torch.stack([solved.rate, solved.curvature])
 
 
 def _moved_state(state: Tensor, drift: Tensor, shift: Tensor) -> Tensor:
-    """The inner unknowns z moved by ``shift`` in s to second order (`_state_drift`): from the
-    last size's z, the next solve's inner Newton starts about where it ends (a first-order move
-    of y left 5 to 8 joint Newton steps where s moves by about 1, as it does at alpha 20 over a
-    hundred sizes; this one 4 to 6)."""
-    ahead = state + shift * (drift[0] + 0.5 * shift * drift[1])
+    """The inner unknowns z = log y moved by ``shift`` in s to second order, z' = y'/y and
+    z'' = y''/y - z'^2 (``drift``: y' and y'', `_state_drift`): from the last size's z, the next
+    solve's inner Newton starts about where it ends (a first-order move of y left 5 to 8 joint
+    Newton steps where s moves by about 1, as it does at alpha 20 over a hundred sizes; this
+    one 4 to 6)."""
+    inverse = torch.exp(-state)
+    first = drift[0] * inverse
+    ahead = state + shift * (first + 0.5 * shift * (drift[1] * inverse - first * first))
     return torch.where(torch.isfinite(ahead), ahead, state)
 
 
