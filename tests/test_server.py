@@ -567,10 +567,13 @@ def wait_until_idle(live: Live, timeout: float = 30.0) -> float:
     return after
 
 
-# 8 sequences of 2000 tokens: several seconds of work for vLLM even when the machine is quiet.
-LONG = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "n": 8, "ignore_eos": True,
+# 16 sequences of 2000 tokens: about 20 s of work for vLLM on a loaded 2-core machine. While
+# the engine generates, the test's own client can get no CPU for seconds (measured: a 0.5 s
+# read timeout raised after 5 to 9 s, with 8 sequences the engine had finished by then), so
+# the work must outlast the client's late departure for the abort to be what is measured.
+LONG = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "n": 16, "ignore_eos": True,
         "temperature": 1.0, "bregman_alpha": 2.0, "bregman_lambda": 0.001}
-FULL = 8 * 2000
+FULL = 16 * 2000
 
 
 def test_client_disconnect_mid_stream_aborts_the_generation(live: Live) -> None:
