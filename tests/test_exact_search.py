@@ -259,7 +259,7 @@ def test_series_gaps_equal_the_exact_gaps_of_two_maps(mode, alpha, family):
                         torch.randn(2, 8192, generator=g, dtype=F64) * 0.3])
     cand = candidates(logits, 8192, logits=True)
     a = torch.full((4,), alpha, dtype=F64)
-    past = series.SERIES_SIZES + 2
+    past = series.SERIES_COLUMNS
     checked = 0
     for m0 in (300, 2000, 6000):
         m = torch.full((4,), m0)

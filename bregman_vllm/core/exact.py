@@ -64,7 +64,7 @@ from .primal import (
     support_mask,
 )
 from .roots import Multiplier
-from .series import SERIES_REACH, SERIES_SIZES, SeriesBounds, series_bounds
+from .series import SERIES_COLUMNS, SERIES_REACH, SERIES_SIZES, SeriesBounds, series_bounds
 from .window import Decoded, closed_sizes, support_range
 from .write import output_values, write_support
 
@@ -405,7 +405,7 @@ def _probe(family: Family | None, mode: str, cand: Candidates, m: Tensor, alpha:
     warm = None if bool(torch.isnan(start).all()) else start
     log_deficit = _log_deficit(cand, m)
     dual = mode == "dual"
-    past = SERIES_SIZES + 2 if dual else 1
+    past = SERIES_COLUMNS if dual else 1
     solved = _solved(family, mode, log_p, m, alpha, log_deficit, warm, state, past)
 
     def series(guess: Tensor, shift: Tensor | None = None) -> SeriesBounds | None:
@@ -591,7 +591,7 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
             ending = bool((hi - lo <= 1).all())
             columns = min(width, int(hi.max()) + 1, 2 * int(size.max()) + _SPARE_COLUMNS)
             # (a probe's series reads the sizes next to its own)
-            columns = min(width, int(size.max()) + SERIES_SIZES + 2) if ending else columns
+            columns = min(width, int(size.max()) + SERIES_COLUMNS) if ending else columns
             sub = take(cand, rows)
             sub = sub._replace(log_x=sub.log_x[:, :columns])
             start, state = _warm_start(size, last_s[rows], last_shift[rows, :columns],

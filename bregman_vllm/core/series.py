@@ -47,12 +47,16 @@ from typing import NamedTuple
 import torch
 
 from .gaps import log_entry_term
+from .primal import _added
 from .roots import Multiplier
 
 Tensor = torch.Tensor
 
 #: Sizes on each side of the solved one that the series decides.
 SERIES_SIZES = 32
+#: Columns after a solved support the series reads (its sizes' next entries): a solve that
+#: feeds it takes them to the rounding floor, a probe values them.
+SERIES_COLUMNS = SERIES_SIZES + 2
 #: Largest |s_j - s_m| the series is used for.
 SERIES_REACH = 0.03
 #: Relative distance from lambda within which a series gap decides nothing.
@@ -150,9 +154,10 @@ def series_bounds(mode: str, log_p: Tensor, solved: Multiplier, m: Tensor, alpha
     totals = torch.where(inside, _mass_terms(log_q, *derivatives(
         lift, finite[:, :prefix], solved.rate[:, :prefix], solved.curvature[:, :prefix])),
         0.0).sum(-1)  # [3, n]
-    added = torch.where(finite[:, :prefix], torch.exp(log_p[:, :prefix]) * torch.expm1(lift),
-                        torch.exp(log_q))
-    residual = torch.exp(log_deficit) - torch.where(inside, added, 0.0).sum(-1)  # R_m - A_m
+    support = finite[:, :prefix] & inside
+    added = _added(torch.where(support, log_p[:, :prefix], 0.0), support, lift,
+                   torch.where(inside, torch.exp(log_q), 0.0))
+    residual = torch.exp(log_deficit) - added  # R_m - A_m
     columns = (m - side).unsqueeze(-1) + torch.arange(2 * side + 1, device=m.device)
     usable = (columns >= 0) & (columns < torch.minimum(exact_columns, torch.full_like(
         exact_columns, width)).unsqueeze(-1))
