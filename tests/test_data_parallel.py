@@ -200,7 +200,7 @@ class Live:
         API server accepted it within ``within`` seconds)."""
         return self.owners([local_port], within)[0]
 
-    def owners(self, local_ports: list[int], within: float = 30.0) -> list[int | None]:
+    def owners(self, local_ports: list[int], within: float = 120.0) -> list[int | None]:
         """`owner` of several connections, found together: the kernel's table of TCP sockets
         (/proc/net/tcp, read once per try) gives each server-side socket's inode, the API
         servers' file descriptors its process. (psutil's per-process lookup reads the whole
