@@ -18,7 +18,9 @@ Pipeline, per batch of rows (vectorized over rows; loops run over rounds and pro
    (`roots.Multiplier`: the primal's Newton, the dual's joint Newton) and weak duality bounds
    both neighbouring gaps by the entries' terms at nu_m, w(p_(m+1), nu_(m+1)) <= G(m) <=
    w(p_(m+1), nu_m) (`gaps.log_entry_term`), which decides k* >= m or k* <= m (or both);
-   the next size is predicted from nu_m by a Halley step of the maps' equations; a bracket of
+   the next size is predicted from nu_m by a Halley step of the maps' equations (the first
+   probe's, where k* is in the thousands, from a multiplier found without a map:
+   `predict`); a bracket of
    two adjacent sizes is decided by the exact gap of the two maps held, with the ratios
    q_i / q'_i from the multipliers (no rounding of two normalized maps). A probe predicted
    next to k* also decides the sizes beside its own by series in its multiplier
@@ -55,6 +57,7 @@ from .generators import (
     generic_primal_renorm,
 )
 from .plan import DEFAULT_ROW_VALUES, ROW_DTYPES, ROW_FIELDS, make_plan, rows_family
+from .predict import dual_start, predicted_sizes, primal_start
 from .primal import (
     _normalized,
     closed_log_renorm,
@@ -246,6 +249,12 @@ def _window_exceeds(family: Family | None, mode: str, cand: Candidates, start: T
 
 #: Probes guided by the multipliers (`_probe`) before the search only bisects.
 GUIDED_PROBES = 8
+#: Lower bound on k* from which the first probe goes where `predict` predicts k* (below, a
+#: probe costs little).
+PREDICT_FROM = 256
+#: Smallest alpha predicted: next to alpha = 1 the floor is close to k* (measured: the same
+#: probes at dual alpha 1.001, and the prediction's cost on top).
+PREDICT_ALPHA = 1.5
 #: Columns a probe values past twice its size, for its prediction (`_guided`).
 _SPARE_COLUMNS = 64
 #: A bracket this narrow is decided by one probe of all its sizes (user generators).
@@ -390,14 +399,10 @@ def _probe(family: Family | None, mode: str, cand: Candidates, m: Tensor, alpha:
     k_B + 1, and ``at`` holds at k_B + 1 (w(p_(k+1), nu_(k+1)) <= lambda there); a probe at
     k_B whose ``at`` fails leaves G(k_B) to the exact gap of T_(k_B) and T_(k_B + 1).
 
-    With ``predict``, the next size: k_B as predicted from nu_m. For support size j (column
-    j - 1), the mass the map adds to the first j entries, A_j(s) = sum_(i<=j) (q_i - p_i),
-    must reach R_j: Halley's step on log A_j(s) - log R_j from s_m (its first two derivatives
-    from those of every log q_i; with log A_j linear in s, exact for alpha = 2 where A_j = j nu,
-    the Newton step), then log w_j at that s_j to second order. The columns are the
-    candidates' first C (C >= m + 1 where the candidates have it); ``start`` / ``state``: warm
-    starts for the solve (NaN: none); ``low``: known lower bounds on k* (no size below them is
-    predicted).
+    With ``predict``, the next size: k_B as predicted from nu_m (`predict.predicted_sizes`).
+    The columns are the candidates' first C (C >= m + 1 where the candidates have it);
+    ``start`` / ``state``: warm starts for the solve (NaN: none); ``low``: known lower bounds
+    on k* (no size below them is predicted).
     """
     width = cand.log_x.shape[-1]
     log_p = cand.log_x
@@ -450,36 +455,7 @@ def _probe(family: Family | None, mode: str, cand: Candidates, m: Tensor, alpha:
     # Sizes below the known lower bound need no prediction: the sums over their columns
     # are carried in one piece, the rest column by column.
     skip = max(0, min(int(low.min()) - 1, width - 1))
-    q = torch.exp(log_q)
-    positive = torch.isfinite(log_p)
-    added = torch.where(positive, torch.exp(torch.where(positive, log_p, 0.0))
-                        * torch.expm1(solved.lift), q)
-    terms = torch.stack([added, q * solved.rate, q * (solved.rate ** 2 + solved.curvature)])
-    terms = torch.where(torch.isfinite(terms), terms, 0.0)  # (none may spoil the sums)
-    carried = terms[..., :skip].sum(-1, keepdim=True)
-    total, first, second = (torch.cumsum(terms[..., skip:], -1) + carried).unbind(0)
-    first = first / total  # (log A)'
-    second = second / total - first ** 2
-    newton = (torch.log(cand.deficit[:, skip:width]) - torch.log(total)) / first
-    shift = newton / (1.0 + 0.5 * newton * second / first).clamp(0.5, 2.0)
-    ahead = log_q[:, skip:]
-    log_w = log_entry_term(mode, log_p[:, skip:], ahead, acol)
-    # d log w_j / ds: alpha rate_j (primal); dual, with dw / dnu = q: g = nu q_j / w_j and
-    # d^2 log w / ds^2 = g (1 + rate_j) - g^2.
-    rate = solved.rate[:, skip:]
-    if mode == "primal":
-        gain, bend = acol * rate, acol * solved.curvature[:, skip:]
-    else:
-        gain = torch.exp(solved.s.unsqueeze(-1) + ahead - log_w)
-        bend = gain * (1.0 + rate) - gain ** 2
-    predicted = log_w + shift * (gain + 0.5 * bend * shift)
-    column = torch.arange(skip, width, device=m.device)
-    # (no added mass yet, in the first columns: no prediction there, and k* >= m anyway)
-    keeps = (predicted > log_lam.unsqueeze(-1)) | (torch.isnan(predicted)
-                                                   & (column < m.unsqueeze(-1)))
-    stops = torch.where(~keeps, column, width).amin(-1)  # first column predicted to stop
-    guess = torch.where(torch.isneginf(solved.s), m, stops.clamp_min(1))  # its size - 1
-    shift = torch.nn.functional.pad(shift, (skip, 0), value=math.nan)
+    guess, shift = predicted_sizes(mode, log_p, cand.deficit, solved, alpha, lam, m, skip)
     return _Probe(normalized, solved.lift, below, at, guess, solved.s, shift, solved.state,
                   _state_drift(solved), series(guess, shift))
 
@@ -559,6 +535,25 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
                                                             device=low.device)
     last_state = None if mode == "primal" else torch.full_like(low_map, math.nan)
     tries = torch.zeros_like(low)
+    # The first probe where k* is predicted (`predict`), for the families it predicts (the
+    # quadratic dual alphas solve a map in a few passes; the primal's alpha < 1 has no level)
+    # and the alphas where the floor of the gaps is far from k*.
+    predicted = (low >= PREDICT_FROM) & (low < high) & (alpha >= PREDICT_ALPHA)
+    rows = predicted.nonzero().squeeze(-1)
+    if rows.numel() and family not in QUADRATIC_DUAL_FAMILIES:
+        sub = take(cand, rows)
+        starting = dual_start if mode == "dual" else primal_start
+        start = starting(sub.log_x, sub.deficit, alpha[rows], lam[rows])
+        columns = start.log_q.shape[-1]
+        skip = max(0, min(int(low[rows].min()) - 1, columns - 1))
+        first, shift = predicted_sizes(mode, sub.log_x[:, :columns], sub.deficit, start,
+                                       alpha[rows], lam[rows], low[rows], skip)
+        # (past the candidates with no boundary there: the probes go from low)
+        guess[rows] = torch.where(open_end[rows] & (first >= width), low[rows], first)
+        last_s[rows], last_shift[rows, :columns] = start.s, shift
+        if last_state is not None:
+            last_state[rows, :columns] = start.state
+            last_drift[:, rows, :columns] = _state_drift(start)
     while True:
         active = (low < high).nonzero().squeeze(-1)
         if active.numel() == 0:

@@ -1,0 +1,181 @@
+"""Where the exact path probes: k* predicted from the values of the maps at one multiplier.
+
+The exact path's probes (`exact._probe`) each solve one map T_m by its multiplier; what that
+multiplier gives every column also predicts the next size to probe (`predicted_sizes`: Halley
+steps of each size's equation from it, then each size's entry term at its predicted
+multiplier). Nothing here is certified: it decides where a probe goes and what it starts from;
+the probes' weak-duality bounds and exact gaps decide k*.
+
+Where k* is in the thousands (tiny lambda) the first probe used to go to the floor of the gaps
+(`exact._floor_sizes`), 5 to 40 % below k*, and two more maps to get next to it. For the dual's
+general alphas `dual_start` predicts from one multiplier found without a map, per row:
+
+1. s~, where the support the multiplier fills, k(s) (the last size whose added mass
+   A_k(s) = sum_(i<=k) (q_i(s) - p_i) is at most R_k, eq. (5)), has its next entry's term at
+   lambda: w(p_(k+1), q_(k+1)(s)) = lambda (`gaps.log_entry_term`). w grows with s and k(s)
+   falls, so the term is monotone in s: `SEARCH_STEPS` bisection steps on about
+   `SAMPLED_COLUMNS` evenly spaced columns, with the inner roots replaced by their
+   primal-shaped approximation (`dual._shaped_inner`, a closed form; k(s~) within 0.5 to 2 %
+   of k* on the extreme cases of benchmarks/bench_core.py);
+2. the exact inner roots at s~ on every column (Newton from the shaped ones, `dual._inner_steps`);
+3. `predicted_sizes` from those values, as from a probe's multiplier.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .dual import _inner_curvature, _inner_rate, _inner_steps, _shaped_inner
+from .gaps import log_entry_term
+from .primal import _softplus
+from .roots import Multiplier
+
+Tensor = torch.Tensor
+
+#: Columns the bisection reads per row, about (evenly spaced).
+SAMPLED_COLUMNS = 2048
+#: Bisection steps (s~ to 2^-16 of its bracket, a few sizes: the Halley steps from the exact
+#: values at s~ take the prediction the rest of the way).
+SEARCH_STEPS = 16
+#: Columns valued past twice the support filled at s~.
+SPARE_COLUMNS = 64
+#: Newton steps of the inner roots at s~ from the shaped ones, at most (`dual._inner_steps`;
+#: two measured fastest: the first probe's joint Newton takes them further).
+INNER_STEPS = 2
+
+
+def predicted_sizes(mode: str, log_p: Tensor, deficit: Tensor, values: Multiplier,
+                    alpha: Tensor, lam: Tensor, m: Tensor, skip: int) -> tuple[Tensor, Tensor]:
+    """The sizes k* is predicted at from the values ``values`` of a multiplier s at every
+    column (a probe's solve, or `dual_start`), and each size's predicted multiplier shift.
+
+    For support size j (column j - 1), the mass the map adds to the first j entries,
+    A_j(s) = sum_(i<=j) (q_i - p_i), must reach R_j: Halley's step on log A_j(s) - log R_j from
+    s (its first two derivatives from those of every log q_i; with log A_j linear in s, exact
+    for alpha = 2 where A_j = j nu, the Newton step), then log w_j at that s_j to second order.
+    Returns (guess, shift): the last size predicted to keep its next entry (G > lambda; ``m``
+    where s is -inf) and s_j - s per column (NaN in the first ``skip`` columns, whose sums are
+    carried in one piece: sizes below a known lower bound need no prediction).
+    ``deficit``: R_1 .. R_C ([n, C], `candidates.Candidates.deficit`).
+    """
+    width = log_p.shape[-1]
+    acol = alpha.to(log_p.dtype).unsqueeze(-1)
+    log_q = values.log_q
+    q = torch.exp(log_q)
+    positive = torch.isfinite(log_p)
+    added = torch.where(positive, torch.exp(torch.where(positive, log_p, 0.0))
+                        * torch.expm1(values.lift), q)
+    terms = torch.stack([added, q * values.rate, q * (values.rate ** 2 + values.curvature)])
+    terms = torch.where(torch.isfinite(terms), terms, 0.0)  # (none may spoil the sums)
+    carried = terms[..., :skip].sum(-1, keepdim=True)
+    total, first, second = (torch.cumsum(terms[..., skip:], -1) + carried).unbind(0)
+    first = first / total  # (log A)'
+    second = second / total - first ** 2
+    newton = (torch.log(deficit[:, skip:width]) - torch.log(total)) / first
+    shift = newton / (1.0 + 0.5 * newton * second / first).clamp(0.5, 2.0)
+    ahead = log_q[:, skip:]
+    log_w = log_entry_term(mode, log_p[:, skip:], ahead, acol)
+    # d log w_j / ds: alpha rate_j (primal); dual, with dw / dnu = q: g = nu q_j / w_j and
+    # d^2 log w / ds^2 = g (1 + rate_j) - g^2.
+    rate = values.rate[:, skip:]
+    if mode == "primal":
+        gain, bend = acol * rate, acol * values.curvature[:, skip:]
+    else:
+        gain = torch.exp(values.s.unsqueeze(-1) + ahead - log_w)
+        bend = gain * (1.0 + rate) - gain ** 2
+    predicted = log_w + shift * (gain + 0.5 * bend * shift)
+    column = torch.arange(skip, width, device=m.device)
+    # (no added mass yet, in the first columns: no prediction there, and k* >= m anyway)
+    keeps = (predicted > torch.log(lam).unsqueeze(-1)) | (torch.isnan(predicted)
+                                                          & (column < m.unsqueeze(-1)))
+    stops = torch.where(~keeps, column, width).amin(-1)  # first column predicted to stop
+    guess = torch.where(torch.isneginf(values.s), m, stops.clamp_min(1))  # its size - 1
+    return guess, torch.nn.functional.pad(shift, (skip, 0), value=math.nan)
+
+
+def _bisected(mode: str, log_p: Tensor, deficit: Tensor, alpha: Tensor, log_lam: Tensor,
+              low: Tensor, values) -> tuple[Tensor, int]:
+    """Step 1 of the module docstring: the multiplier s~ per row in [low, 0], by bisection on
+    about `SAMPLED_COLUMNS` evenly spaced columns; ``values(s, log_p, finite)`` gives those
+    columns' log q and the mass each adds at s. Also the columns the next steps value: twice
+    the largest support filled at s~, and `SPARE_COLUMNS` more (the predictions reach that
+    far)."""
+    width = log_p.shape[-1]
+    stride = max(1, width // SAMPLED_COLUMNS)
+    lp = log_p[:, ::stride]
+    r = deficit[:, ::stride]
+    finite = torch.isfinite(lp)
+    samples = lp.shape[-1]
+    high = torch.zeros_like(low)  # nu < 1 (Theorem A.1), c < 1 (eq. (4))
+    for _ in range(SEARCH_STEPS):
+        s = 0.5 * (low + high)
+        log_q, added = values(s, lp, finite)
+        filled = (torch.cumsum(added, -1) * stride <= r).sum(-1, keepdim=True)
+        at = filled.clamp_max(samples - 1)  # the sampled column after the filled support
+        w = log_entry_term(mode, torch.gather(lp, 1, at), torch.gather(log_q, 1, at),
+                           alpha).squeeze(-1)
+        # (a support past the sampled columns: s is too small)
+        big = (w > log_lam) & (filled.squeeze(-1) < samples)
+        high = torch.where(big, s, high)
+        low = torch.where(big, low, s)
+    return 0.5 * (low + high), min(width, 2 * (int(filled.max()) + 1) * stride + SPARE_COLUMNS)
+
+
+def dual_start(log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor) -> Multiplier:
+    """The values of the multiplier s~ of the module docstring (steps 1 and 2) for dual rows of
+    any alpha > 1, at the first columns (`_bisected`): what `predicted_sizes` predicts the first
+    probe from, and its warm start (``state``: the inner unknowns z)."""
+    a = alpha.to(log_p.dtype).unsqueeze(-1)
+    beta = a - 1.0
+    finite = torch.isfinite(log_p)
+    lp = torch.where(finite, log_p, 0.0)
+
+    def shaped(s: Tensor, log_p: Tensor, finite: Tensor) -> tuple[Tensor, Tensor]:
+        lp = torch.where(finite, log_p, 0.0)
+        lift = torch.exp(_shaped_inner(beta, s.unsqueeze(-1) - beta * lp))
+        zero = s.unsqueeze(-1) / beta  # (log q of a zero entry, nu^(1/beta))
+        return (torch.where(finite, lp + lift, zero),
+                torch.where(finite, torch.exp(lp) * torch.expm1(lift), torch.exp(zero)))
+
+    # (at the lower end every entry's t = s - beta log p is below -60: no mass added)
+    low = (beta * lp).amin(-1).squeeze(-1) - 60.0
+    s, columns = _bisected("dual", log_p, deficit, a, torch.log(lam).to(log_p.dtype), low,
+                           shaped)
+    finite, lp = finite[:, :columns], lp[:, :columns]
+    z = _shaped_inner(beta, s.unsqueeze(-1) - beta * lp)
+    z = _inner_steps(beta, lp, s, z, INNER_STEPS)
+    u = torch.exp(z)
+    log_q = torch.where(finite, lp + u, s.unsqueeze(-1) / beta)
+    rate = _inner_rate(beta, u, finite)
+    return Multiplier(s, log_q, rate, _inner_curvature(beta, u, rate, finite),
+                      torch.where(finite, u, log_q), z)
+
+
+def primal_start(log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor) -> Multiplier:
+    """The values at the first columns (`_bisected`) of the level s~ = tau of the module
+    docstring's step 1 (q_i^beta = p_i^beta + e^(beta tau), `primal.primal_multiplier`) for
+    primal rows of alpha > 1: closed forms, no step 2."""
+    a = alpha.to(log_p.dtype).unsqueeze(-1)
+    beta = a - 1.0
+    finite = torch.isfinite(log_p)
+    lp = torch.where(finite, log_p, 0.0)
+
+    def level(s: Tensor, log_p: Tensor, finite: Tensor) -> tuple[Tensor, Tensor]:
+        lp = torch.where(finite, log_p, 0.0)
+        lift = _softplus(beta * (s.unsqueeze(-1) - lp)) / beta
+        return (torch.where(finite, lp + lift, s.unsqueeze(-1)),
+                torch.where(finite, torch.exp(lp) * torch.expm1(lift), torch.exp(s).unsqueeze(-1)))
+
+    # (at the lower end every entry's beta (tau - log p) is below -60: no mass added)
+    low = lp.amin(-1) - 60.0 / beta.squeeze(-1)
+    s, columns = _bisected("primal", log_p, deficit, a, torch.log(lam).to(log_p.dtype), low,
+                           level)
+    finite, lp = finite[:, :columns], lp[:, :columns]
+    rise = beta * (s.unsqueeze(-1) - lp)
+    rate = torch.where(finite, torch.sigmoid(rise), 1.0)
+    lift = _softplus(rise) / beta
+    log_q = torch.where(finite, lp + lift, s.unsqueeze(-1))
+    return Multiplier(s, log_q, rate, beta * rate * (1.0 - rate),
+                      torch.where(finite, lift, log_q))
