@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from bregman_vllm import bregman_decode, bregman_decode_logits
-from bregman_vllm.core import dual, exact
+from bregman_vllm.core import dual, exact, predict
 from bregman_vllm.core.candidates import candidates
 from bregman_vllm.core.families import Family
 from bregman_vllm.core.gaps import dual_log_gap, log_entry_term
@@ -328,7 +328,7 @@ def test_the_first_probe_goes_where_k_star_is_predicted(mode, alpha, lam, spread
     columns (inner-root evaluations, each a pass over [n, C]), than from the floor of the gaps
     (`exact.PREDICT_FROM` past every size: the search without it), with the same k* and output.
     (Measured: 1 or 2 probes against 2 to 4, about half the passes.)"""
-    from bregman_vllm.core import predict, series
+    from bregman_vllm.core import series
 
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(2, 16384, generator=g) * spread
@@ -365,7 +365,7 @@ def test_the_first_probe_goes_where_k_star_is_predicted(mode, alpha, lam, spread
 
 def test_the_next_probe_starts_from_inner_unknowns_moved_to_second_order(monkeypatch):
     """Between two probes of dual alpha 20 the multiplier moves by about 1 (a hundred sizes
-    apart); the inner unknowns moved to second order in s (`exact._moved_state`) start the
+    apart); the inner unknowns moved to second order in s (`predict.moved_state`) start the
     joint Newton closer to its root than y moved to first order (the start before): fewer
     passes over the columns for the same map."""
     g = torch.Generator().manual_seed(0)
@@ -382,7 +382,7 @@ def test_the_next_probe_starts_from_inner_unknowns_moved_to_second_order(monkeyp
     y = torch.exp(near.state)
     ahead = y + near.rate * shift
     starts = {"first order": torch.where(ahead > 0.5 * y, torch.log(ahead), near.state),
-              "second order": exact._moved_state(near.state, exact._state_drift(near), shift)}
+              "second order": predict.moved_state(near.state, predict.state_drift(near), shift)}
     passes = {}
     terms = dual._inner_terms
     for name, state in starts.items():

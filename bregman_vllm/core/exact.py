@@ -57,7 +57,7 @@ from .generators import (
     generic_primal_renorm,
 )
 from .plan import DEFAULT_ROW_VALUES, ROW_DTYPES, ROW_FIELDS, make_plan, rows_family
-from .predict import dual_start, predicted_sizes, primal_start
+from .predict import first_probe, moved_state, predicted_sizes, state_drift
 from .primal import (
     _normalized,
     closed_log_renorm,
@@ -342,7 +342,8 @@ class _Probe(NamedTuple):
     (``below``: G(m - 1) > lambda, so k* >= m; ``at``: G(m) <= lambda, so k* <= m), and, with a
     prediction, the next size to probe (``guess``) and what warm-starts a probe of any size j:
     the multiplier s_m, the predicted s_j - s_m in column j - 1 (``shift``, NaN without a
-    prediction), and for the dual the inner unknowns and their drift in s (`_state_drift`)."""
+    prediction), and for the dual the inner unknowns and their drift in s
+    (`predict.state_drift`)."""
 
     log_q: Tensor
     lift: Tensor
@@ -450,47 +451,27 @@ def _probe(family: Family | None, mode: str, cand: Candidates, m: Tensor, alpha:
     normalized = _normalized(log_q, support_mask(m, width))
     if not predict:
         return _Probe(normalized, solved.lift, below, at, m, solved.s,
-                      torch.full_like(log_q, math.nan), solved.state, _state_drift(solved),
+                      torch.full_like(log_q, math.nan), solved.state, state_drift(solved),
                       series(m))
     # Sizes below the known lower bound need no prediction: the sums over their columns
     # are carried in one piece, the rest column by column.
     skip = max(0, min(int(low.min()) - 1, width - 1))
     guess, shift = predicted_sizes(mode, log_p, cand.deficit, solved, alpha, lam, m, skip)
     return _Probe(normalized, solved.lift, below, at, guess, solved.s, shift, solved.state,
-                  _state_drift(solved), series(guess, shift))
+                  state_drift(solved), series(guess, shift))
 
 
 def _warm_start(size: Tensor, s: Tensor, shift: Tensor, state: Tensor | None,
                 drift: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """The start of a probe of support size ``size`` from an earlier probe's multiplier ``s``
     and predictions (`_Probe`): s + shift at that size (s where it predicted nothing), and for
-    the dual each inner unknown moved to second order (`_moved_state`); NaN where there was no
-    earlier probe."""
+    the dual each inner unknown moved to second order (`predict.moved_state`); NaN where there
+    was no earlier probe."""
     moved = torch.gather(shift, 1, (size - 1).clamp(0, shift.shape[-1] - 1).unsqueeze(-1))
     moved = torch.where(torch.isnan(moved), 0.0, moved)  # (no prediction: s itself)
     start = s + moved.squeeze(-1)
     start = torch.where(torch.isfinite(start), start, math.nan)
-    return start, None if state is None else _moved_state(state, drift, moved)
-
-
-def _state_drift(solved: Multiplier) -> Tensor | None:
-    """What moves the dual's inner unknowns with s (`_moved_state`): the map's rate and
-    curvature, dy/ds and d^2y/ds^2 of y = log(q / p) ([2, r, C]); None for the primal."""
-    if solved.state is None:
-        return None
-    return torch.stack([solved.rate, solved.curvature])
-
-
-def _moved_state(state: Tensor, drift: Tensor, shift: Tensor) -> Tensor:
-    """The inner unknowns z = log y moved by ``shift`` in s to second order, z' = y'/y and
-    z'' = y''/y - z'^2 (``drift``: y' and y'', `_state_drift`): from the last size's z, the next
-    solve's inner Newton starts about where it ends (where s moves by about 1, as it does at
-    dual alpha 20 over a hundred sizes: 6 joint Newton passes, against 9 from y moved to first
-    order)."""
-    inverse = torch.exp(-state)
-    first = drift[0] * inverse
-    ahead = state + shift * (first + 0.5 * shift * (drift[1] * inverse - first * first))
-    return torch.where(torch.isfinite(ahead), ahead, state)
+    return start, None if state is None else moved_state(state, drift, moved)
 
 
 def _exact_gap_at(mode: str, cand: Candidates, m: Tensor, alpha: Tensor, log_q: Tensor,
@@ -542,18 +523,15 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
     rows = predicted.nonzero().squeeze(-1)
     if rows.numel() and family not in QUADRATIC_DUAL_FAMILIES:
         sub = take(cand, rows)
-        starting = dual_start if mode == "dual" else primal_start
-        start = starting(sub.log_x, sub.deficit, alpha[rows], lam[rows])
-        columns = start.log_q.shape[-1]
-        skip = max(0, min(int(low[rows].min()) - 1, columns - 1))
-        first, shift = predicted_sizes(mode, sub.log_x[:, :columns], sub.deficit, start,
-                                       alpha[rows], lam[rows], low[rows], skip)
+        first = first_probe(mode, sub.log_x, sub.deficit, alpha[rows], lam[rows], low[rows])
+        columns = first.values.log_q.shape[-1]
         # (past the candidates with no boundary there: the probes go from low)
-        guess[rows] = torch.where(open_end[rows] & (first >= width), low[rows], first)
-        last_s[rows], last_shift[rows, :columns] = start.s, shift
+        guess[rows] = torch.where(open_end[rows] & (first.guess >= width), low[rows],
+                                  first.guess)
+        last_s[rows], last_shift[rows, :columns] = first.values.s, first.shift
         if last_state is not None:
-            last_state[rows, :columns] = start.state
-            last_drift[:, rows, :columns] = _state_drift(start)
+            last_state[rows, :columns] = first.values.state
+            last_drift[:, rows, :columns] = state_drift(first.values)
     while True:
         active = (low < high).nonzero().squeeze(-1)
         if active.numel() == 0:
@@ -667,7 +645,7 @@ def _take_series(family: Family | None, mode: str, cand: Candidates, probe: _Pro
     warm = None
     if probe.state is not None:
         columns = log_p.shape[-1]
-        warm = _moved_state(probe.state[other, :columns], probe.drift[:, other, :columns],
+        warm = moved_state(probe.state[other, :columns], probe.drift[:, other, :columns],
                             shift.unsqueeze(-1))
     solved = _solved(family, mode, log_p, k, alpha[rows[other]], _log_deficit(sub, k),
                      probe.s[other] + shift, warm)
