@@ -264,17 +264,26 @@ def _joint_newton(lp: Tensor, finite: Tensor, mask: Tensor, beta: Tensor, log_de
     zeros = mask & ~finite
     inside = mask & finite
     p = torch.where(finite, torch.exp(lp), 0.0)
+    held = torch.where(mask, p, 0.0)  # p on the support
     scaled = beta * lp
     deficit = torch.exp(log_deficit)
+    # Every column positive (the common case): no zero entries to give their own values, and
+    # three selections fewer per pass (each costs about three arithmetic ops on a CPU).
+    positive = bool(finite.all())
     guarded = True  # the first iterations' safeguards, until every inner step is small
     for _ in range(JOINT_ITERATIONS):
         target = s.unsqueeze(-1) - scaled
         value, slope, u, em1 = _inner_terms(beta, z, expm1=True)
-        residual = torch.where(finite, target - value, 0.0)
-        q_zero = torch.exp(s / beta.squeeze(-1)).unsqueeze(-1)  # q of a zero entry
-        added = torch.where(inside, p * em1, torch.where(zeros, q_zero, 0.0))  # q - p
-        rate = torch.where(zeros, 1.0 / beta, u / slope)  # d log q_i / ds
-        gain = torch.where(mask, p + added, 0.0) * rate  # dq_i / ds on the support
+        if positive:
+            residual = target - value
+            added = torch.where(mask, p * em1, 0.0)  # q - p (em1 may overflow past it)
+            rate = u / slope  # d log q_i / ds
+        else:
+            residual = torch.where(finite, target - value, 0.0)
+            q_zero = torch.exp(s / beta.squeeze(-1)).unsqueeze(-1)  # q of a zero entry
+            added = torch.where(inside, p * em1, torch.where(zeros, q_zero, 0.0))
+            rate = torch.where(zeros, 1.0 / beta, u / slope)
+        gain = (held + added) * rate  # dq_i / ds on the support (0 past it: both are)
         outer = added.sum(-1) - deficit
         moved = outer + deficit + (gain * residual).sum(-1)  # A
         ds = torch.where(moved > 0, (log_deficit - torch.log(moved)) * moved,
@@ -315,8 +324,8 @@ def _joint_newton(lp: Tensor, finite: Tensor, mask: Tensor, beta: Tensor, log_de
             lp, finite, mask, beta, log_deficit, low, high, previous_outer = (
                 t[keep] for t in (lp, finite, mask, beta, log_deficit, low, high,
                                   previous_outer))
-            zeros, inside, p, scaled, deficit = (t[keep] for t in (zeros, inside, p, scaled,
-                                                                   deficit))
+            zeros, inside, p, held, scaled, deficit = (
+                t[keep] for t in (zeros, inside, p, held, scaled, deficit))
             s_new, z_new = s_new[keep], z_new[keep]
         s, z = s_new, z_new
     out_s[rows], out_z[rows] = s, z
