@@ -30,8 +30,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "models" / "tiny-llama"
-#: Niceness of the servers the tests start (`ServerProcess.start`).
-SERVER_NICENESS = 5
+#: Niceness of the engines of the servers the tests start (`ServerProcess.lower_engines`).
+ENGINE_NICENESS = 5
 
 
 def free_port() -> int:
@@ -203,13 +203,23 @@ class ServerProcess:
                 [sys.executable, "-m", self.module, *self.args], cwd=self.cwd, env=self.env,
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)
-        # The engine runs below the tests' own priority: generating, it kept a test's client
-        # from running for 5 to 9 s on a loaded 2-core machine (a 0.5 s read timeout raised
-        # after 9 s; a load test's head sent after the server's 3 s head deadline, a 408).
-        # Set before the server forks its engine, which inherits it.
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, self.process.pid, SERVER_NICENESS)
         return self
+
+    def lower_engines(self) -> None:
+        """Run the server's engines (vLLM's ``EngineCore`` and ``Worker`` processes, which
+        generate) below the tests' own priority, every thread (niceness is per thread on
+        Linux): generating, an engine kept a test's client from running for 5 to 9 s on a loaded
+        2-core machine (a 0.5 s read timeout raised after 9 s; a load test's head sent after the
+        server's 3 s head deadline, a 408). The API servers stay at the tests' priority: they
+        serve the tests' own attack traffic."""
+        for pid in descendants(self.pid):
+            with contextlib.suppress(OSError):
+                title = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if not title.startswith((b"VLLM::EngineCore", b"VLLM::Worker")):
+                    continue
+                for thread in os.listdir(f"/proc/{pid}/task"):
+                    with contextlib.suppress(OSError):
+                        os.setpriority(os.PRIO_PROCESS, int(thread), ENGINE_NICENESS)
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
@@ -234,6 +244,7 @@ class ServerProcess:
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(self.url + "/health").status_code == 200:
                         self.remember_descendants()
+                        self.lower_engines()
                         return
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"server not healthy after {timeout:g} s:\n"
