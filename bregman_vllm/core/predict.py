@@ -117,26 +117,30 @@ def predicted_sizes(mode: str, log_p: Tensor, deficit: Tensor, values: Multiplie
 
 
 def _bisected(mode: str, log_p: Tensor, deficit: Tensor, alpha: Tensor, log_lam: Tensor,
-              low: Tensor, values) -> tuple[Tensor, int]:
+              low: Tensor, lift, zero) -> tuple[Tensor, int]:
     """Step 1 of the module docstring: the multiplier s~ per row in [low, 0], by bisection on
-    about `SAMPLED_COLUMNS` evenly spaced columns; ``values(s, log_p, finite)`` gives those
-    columns' log q and the mass each adds at s. Also the columns the next steps value: twice
-    the largest support filled at s~, and `SPARE_COLUMNS` more (the predictions reach that
-    far)."""
+    about `SAMPLED_COLUMNS` evenly spaced columns; at s, ``lift(s, lp)`` gives log(q / p) of the
+    positive entries (``lp``: log p, 0 where p = 0) and ``zero(s)`` log q of the zero ones
+    ([n, 1]). Also the columns the next steps value: twice the largest support filled at s~,
+    and `SPARE_COLUMNS` more (the predictions reach that far)."""
     width = log_p.shape[-1]
     stride = max(1, width // SAMPLED_COLUMNS)
     lp = log_p[:, ::stride]
     r = deficit[:, ::stride]
     finite = torch.isfinite(lp)
+    p = torch.exp(lp)
+    lp = torch.where(finite, lp, 0.0)
     samples = lp.shape[-1]
     high = torch.zeros_like(low)  # nu < 1 (Theorem A.1), c < 1 (eq. (4))
     for _ in range(SEARCH_STEPS):
         s = 0.5 * (low + high)
-        log_q, added = values(s, lp, finite)
+        rise, level = lift(s, lp), zero(s)
+        log_q = torch.where(finite, lp + rise, level)
+        added = torch.where(finite, p * torch.expm1(rise), torch.exp(level))  # q - p
         filled = (torch.cumsum(added, -1) * stride <= r).sum(-1, keepdim=True)
         at = filled.clamp_max(samples - 1)  # the sampled column after the filled support
-        w = log_entry_term(mode, torch.gather(lp, 1, at), torch.gather(log_q, 1, at),
-                           alpha).squeeze(-1)
+        w = log_entry_term(mode, torch.where(finite, lp, -math.inf).gather(1, at),
+                           log_q.gather(1, at), alpha).squeeze(-1)
         # (a support past the sampled columns: s is too small)
         big = (w > log_lam) & (filled.squeeze(-1) < samples)
         high = torch.where(big, s, high)
@@ -153,17 +157,14 @@ def dual_start(log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor) -> Mu
     finite = torch.isfinite(log_p)
     lp = torch.where(finite, log_p, 0.0)
 
-    def shaped(s: Tensor, log_p: Tensor, finite: Tensor) -> tuple[Tensor, Tensor]:
-        lp = torch.where(finite, log_p, 0.0)
-        lift = torch.exp(_shaped_inner(beta, s.unsqueeze(-1) - beta * lp))
-        zero = s.unsqueeze(-1) / beta  # (log q of a zero entry, nu^(1/beta))
-        return (torch.where(finite, lp + lift, zero),
-                torch.where(finite, torch.exp(lp) * torch.expm1(lift), torch.exp(zero)))
+    def shaped(s: Tensor, lp: Tensor) -> Tensor:
+        return torch.exp(_shaped_inner(beta, s.unsqueeze(-1) - beta * lp))
 
-    # (at the lower end every entry's t = s - beta log p is below -60: no mass added)
+    # (at the lower end every entry's t = s - beta log p is below -60: no mass added; a zero
+    # entry's q is nu^(1/beta))
     low = (beta * lp).amin(-1).squeeze(-1) - 60.0
     s, columns = _bisected("dual", log_p, deficit, a, torch.log(lam).to(log_p.dtype), low,
-                           shaped)
+                           shaped, lambda s: s.unsqueeze(-1) / beta)
     finite, lp = finite[:, :columns], lp[:, :columns]
     z = _shaped_inner(beta, s.unsqueeze(-1) - beta * lp)
     return _dual_values(lp, finite, beta, s, _inner_steps(beta, lp, s, z, INNER_STEPS))
@@ -188,16 +189,14 @@ def primal_start(log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor) -> 
     finite = torch.isfinite(log_p)
     lp = torch.where(finite, log_p, 0.0)
 
-    def level(s: Tensor, log_p: Tensor, finite: Tensor) -> tuple[Tensor, Tensor]:
-        lp = torch.where(finite, log_p, 0.0)
-        lift = _softplus(beta * (s.unsqueeze(-1) - lp)) / beta
-        return (torch.where(finite, lp + lift, s.unsqueeze(-1)),
-                torch.where(finite, torch.exp(lp) * torch.expm1(lift), torch.exp(s).unsqueeze(-1)))
+    def level(s: Tensor, lp: Tensor) -> Tensor:
+        return _softplus(beta * (s.unsqueeze(-1) - lp)) / beta
 
-    # (at the lower end every entry's beta (tau - log p) is below -60: no mass added)
+    # (at the lower end every entry's beta (tau - log p) is below -60: no mass added; a zero
+    # entry's q is the level c = e^tau)
     low = lp.amin(-1) - 60.0 / beta.squeeze(-1)
     s, columns = _bisected("primal", log_p, deficit, a, torch.log(lam).to(log_p.dtype), low,
-                           level)
+                           level, lambda s: s.unsqueeze(-1))
     finite, lp = finite[:, :columns], lp[:, :columns]
     rise = beta * (s.unsqueeze(-1) - lp)
     rate = torch.where(finite, torch.sigmoid(rise), 1.0)
