@@ -20,16 +20,15 @@ Pipeline, per batch of rows (vectorized over rows; loops run over rounds and pro
    w(p_(m+1), nu_m) (`gaps.log_entry_term`), which decides k* >= m or k* <= m (or both);
    the next size is predicted from nu_m by a Halley step of the maps' equations (the first
    probe's, where k* is in the thousands, from a multiplier found without a map:
-   `predict`); a bracket of
-   two adjacent sizes is decided by the exact gap of the two maps held, with the ratios
-   q_i / q'_i from the multipliers (no rounding of two normalized maps). A probe predicted
-   next to k* also decides the sizes beside its own by series in its multiplier
-   (`series`: their multipliers and exact gaps without another map). A few probes, one map
-   each, where k* is in the tens of thousands. User generators (no multiplier) gallop
-   and bisect on exact gaps (`_bisect`). Greedy property and k-convexity (Theorems 3.1, 3.2
-   and 3.3 of arXiv 2505.19371) make the first k with G(k) <= lambda the global minimizer. A
-   row whose k* is not certified inside its W candidates goes to the next round with 8 W
-   candidates (up to the whole row).
+   `predict`); a bracket of two adjacent sizes is decided by the exact gap of the two maps
+   held, with the ratios q_i / q'_i from the multipliers (no rounding of two normalized
+   maps). A probe predicted next to k* also decides the sizes beside its own by series in
+   its multiplier (`series`: their multipliers and exact gaps without another map). A few
+   probes, one map each, where k* is in the tens of thousands. User generators (no
+   multiplier) gallop and bisect on exact gaps (`_bisect`). Greedy property and
+   k-convexity (Theorems 3.1, 3.2 and 3.3 of arXiv 2505.19371) make the first k with
+   G(k) <= lambda the global minimizer. A row whose k* is not certified inside its W
+   candidates goes to the next round with 8 W candidates (up to the whole row).
 3. log T_k* on the support, written into the output by the step's writer
    (`write.write_support`).
 
