@@ -484,6 +484,12 @@ def dual_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Ten
         z = torch.cat([z_near, _inner_steps(beta, lp[:, near:], s, z[:, near:], FAR_STEPS)], -1)
     else:
         z = z_near
+    return values_at(lp, finite, beta, s, z)
+
+
+def values_at(lp: Tensor, finite: Tensor, beta: Tensor, s: Tensor, z: Tensor) -> Multiplier:
+    """Every column's value at the multiplier s from its inner unknown z (``lp``: log p, 0
+    where p = 0, whose q is nu^(1/beta); ``beta``: [n, 1])."""
     u = torch.exp(z)
     log_q = torch.where(finite, lp + u, s.unsqueeze(-1) / beta)
     rate = _inner_rate(beta, u, finite)

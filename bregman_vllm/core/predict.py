@@ -28,9 +28,9 @@ from typing import NamedTuple
 
 import torch
 
-from .dual import _inner_curvature, _inner_rate, _inner_steps, _shaped_inner
+from .dual import _inner_steps, _shaped_inner, values_at
 from .gaps import log_entry_term
-from .primal import _softplus
+from .primal import level_lift, level_values
 from .roots import Multiplier
 
 Tensor = torch.Tensor
@@ -167,17 +167,7 @@ def dual_start(log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor) -> Mu
                            shaped, lambda s: s.unsqueeze(-1) / beta)
     finite, lp = finite[:, :columns], lp[:, :columns]
     z = _shaped_inner(beta, s.unsqueeze(-1) - beta * lp)
-    return _dual_values(lp, finite, beta, s, _inner_steps(beta, lp, s, z, INNER_STEPS))
-
-
-def _dual_values(lp: Tensor, finite: Tensor, beta: Tensor, s: Tensor, z: Tensor) -> Multiplier:
-    """Every column's value at the multiplier s from its inner unknown z (``lp``: log p, 0 where
-    p = 0; ``beta``: [n, 1])."""
-    u = torch.exp(z)
-    log_q = torch.where(finite, lp + u, s.unsqueeze(-1) / beta)
-    rate = _inner_rate(beta, u, finite)
-    return Multiplier(s, log_q, rate, _inner_curvature(beta, u, rate, finite),
-                      torch.where(finite, u, log_q), z)
+    return values_at(lp, finite, beta, s, _inner_steps(beta, lp, s, z, INNER_STEPS))
 
 
 def primal_start(log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor) -> Multiplier:
@@ -190,20 +180,14 @@ def primal_start(log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor) -> 
     lp = torch.where(finite, log_p, 0.0)
 
     def level(s: Tensor, lp: Tensor) -> Tensor:
-        return _softplus(beta * (s.unsqueeze(-1) - lp)) / beta
+        return level_lift(lp, beta, s)
 
     # (at the lower end every entry's beta (tau - log p) is below -60: no mass added; a zero
     # entry's q is the level c = e^tau)
     low = lp.amin(-1) - 60.0 / beta.squeeze(-1)
     s, columns = _bisected("primal", log_p, deficit, a, torch.log(lam).to(log_p.dtype), low,
                            level, lambda s: s.unsqueeze(-1))
-    finite, lp = finite[:, :columns], lp[:, :columns]
-    rise = beta * (s.unsqueeze(-1) - lp)
-    rate = torch.where(finite, torch.sigmoid(rise), 1.0)
-    lift = _softplus(rise) / beta
-    log_q = torch.where(finite, lp + lift, s.unsqueeze(-1))
-    return Multiplier(s, log_q, rate, beta * rate * (1.0 - rate),
-                      torch.where(finite, lift, log_q))
+    return level_values(lp[:, :columns], finite[:, :columns], beta, s)
 
 
 class FirstProbe(NamedTuple):

@@ -119,16 +119,23 @@ def _softplus(x: Tensor) -> Tensor:
     return torch.nn.functional.softplus(x, beta=1.0, threshold=40.0)
 
 
-def _level_log_q(log_p: Tensor, finite: Tensor, beta: Tensor, tau: Tensor) -> Tensor:
-    """beta > 0: log q_i for the water level tau = log c (q_i^beta = p_i^beta + c^beta).
+def level_lift(lp: Tensor, beta: Tensor, tau: Tensor) -> Tensor:
+    """beta > 0: log(q_i / p_i) at the water level tau = log c (q_i^beta = p_i^beta + c^beta),
+    softplus(beta (tau - log p_i)) / beta, convex and increasing in tau (``beta``: [n, 1]).
+    alpha -> inf gives max(p_i, c) (water-filling), alpha -> 1 the KL shift."""
+    return _softplus(beta * (tau.unsqueeze(-1) - lp)) / beta
 
-    log q_i = log p_i + softplus(beta (tau - log p_i)) / beta is convex and increasing in tau; zero
-    entries get q_i = c. alpha -> inf gives max(p_i, c) (water-filling), alpha -> 1 the KL shift.
-    """
-    b = beta.unsqueeze(-1)
-    level = tau.unsqueeze(-1)
-    log_q = log_p + _softplus(b * (level - log_p)) / b
-    return torch.where(finite, log_q, level)
+
+def level_values(lp: Tensor, finite: Tensor, beta: Tensor, tau: Tensor) -> Multiplier:
+    """beta > 0: every column's value at the level tau (``lp``: log p, 0 where p = 0, whose q is
+    c; ``beta``: [n, 1]): log q, rate d log q / d tau = sigmoid(beta (tau - log p)) (1 for
+    zero entries), curvature beta rate (1 - rate) and log(q / p)."""
+    rise = beta * (tau.unsqueeze(-1) - lp)
+    lift = _softplus(rise) / beta
+    log_q = torch.where(finite, lp + lift, tau.unsqueeze(-1))
+    rate = torch.where(finite, torch.sigmoid(rise), 1.0)
+    return Multiplier(tau, log_q, rate, beta * rate * (1.0 - rate),
+                      torch.where(finite, lift, log_q))
 
 
 def _top_log_q(log_p: Tensor, finite: Tensor, beta: Tensor, delta: Tensor) -> Tensor:
@@ -225,17 +232,15 @@ def primal_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
 
         def level_equation(tau: Tensor) -> tuple[Tensor, Tensor, Tensor]:
             z = bcol * (tau.unsqueeze(-1) - lpi)
-            rise = _softplus(z) / bcol  # log(q / p)
+            rise = _softplus(z) / bcol  # log(q / p) (`level_lift`, from z: needed below)
             q = torch.exp(torch.where(fin, lpi + rise, tau.unsqueeze(-1))) * kp
             return (_added(lpi, fin, rise, q) - deficit[i], (q * torch.where(fin, torch.sigmoid(z),
                     1.0)).sum(-1), NEWTON_TOLERANCE * deficit[i])
 
         tau = safeguarded_newton(level_equation, started(first, low, high, i), low, high)
         scalar[i] = tau
-        log_q[i] = _level_log_q(lp[i], positive[i], b, tau)
-        rise = bcol * (tau.unsqueeze(-1) - lp[i])
-        rate[i] = torch.where(positive[i], torch.sigmoid(rise), 1.0)
-        lift[i] = _softplus(rise) / bcol
+        level = level_values(lp[i], positive[i], bcol, tau)
+        log_q[i], rate[i], lift[i] = level.log_q, level.rate, level.lift
 
     down = ~up
     if bool(down.any()):
