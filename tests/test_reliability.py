@@ -44,8 +44,10 @@ from .test_server_support import (
     comm,
     encode_body,
     finite_top_logprobs,
+    prometheus_value,
     require_tiny_model,
     run_load,
+    scrape,
     shut_down,
 )
 
@@ -648,6 +650,13 @@ def _in_flight(url: str) -> tuple[threading.Thread, threading.Thread, dict[str, 
     threads = [threading.Thread(target=stream), threading.Thread(target=waiting)]
     for thread in threads:
         thread.start()
+    # Both are running once the engine runs all their sequences (n each): a fixed sleep was
+    # once too short on a loaded machine, and the stream came after the signal (a new request's
+    # 503, the right answer to it).
+    deadline = time.monotonic() + 60
+    while prometheus_value(scrape(url, AUTH), "vllm:num_requests_running", 0.0) < 2 * long["n"]:
+        assert time.monotonic() < deadline, "the two long requests never ran"
+        time.sleep(0.1)
     return threads[0], threads[1], results
 
 
@@ -672,7 +681,6 @@ def _assert_ended_in_openai_shape(results: dict[str, Any], code: str) -> None:
 def test_sigterm_drains_then_ends_open_requests(servers: Servers) -> None:
     server = servers.draining
     stream, waiting, results = _in_flight(server.url)
-    time.sleep(1.5)  # both are being generated (8000 steps take far longer than the 1 s grace)
     server.remember_descendants()
     os.kill(server.pid, signal.SIGTERM)
     stream.join(60)
@@ -686,7 +694,6 @@ def test_sigterm_drains_then_ends_open_requests(servers: Servers) -> None:
 def test_engine_death_is_a_503_then_exit_3_with_nothing_left(servers: Servers) -> None:
     server = servers.dying
     stream, waiting, results = _in_flight(server.url)
-    time.sleep(1.5)
     engines = [pid for pid in server.remember_descendants() if comm(pid).startswith("VLLM::Eng")]
     assert engines, "no engine process found"
     for pid in engines:
