@@ -347,7 +347,7 @@ def test_the_first_probe_goes_where_k_star_is_predicted(mode, alpha, lam, spread
     predicted, predicted_passes = counts["probes"], passes[0]
     cand = candidates(logits, 16384, logits=True)
     a, lm = torch.full((2,), alpha, dtype=F64), torch.full((2,), lam, dtype=F64)
-    start = (predict.dual_start if mode == "dual" else predict.primal_start)(
+    start, _ = (predict.dual_start if mode == "dual" else predict.primal_start)(
         cand.log_x, cand.deficit, a, lm)
     columns = start.log_q.shape[-1]  # (twice the support it filled, and some)
     guess, _ = predict.predicted_sizes(mode, cand.log_x[:, :columns], cand.deficit, start, a,
@@ -361,6 +361,51 @@ def test_the_first_probe_goes_where_k_star_is_predicted(mode, alpha, lam, spread
     assert predicted <= counts["probes"], (predicted, counts)
     assert predicted < counts["probes"] or predicted_passes < passes[0], (
         predicted, counts, predicted_passes, passes[0])
+
+
+@pytest.mark.parametrize(("mode", "alpha", "lam"), [("dual", 4.0, 1e-16), ("primal", 3.0, 1e-12)])
+def test_a_prediction_next_to_the_expected_size_values_only_the_columns_there(
+        mode, alpha, lam, monkeypatch):
+    """`predict.predicted_near`: the sizes `predict.predicted_sizes` predicts from a
+    multiplier's values, with the entry terms and Halley steps of 2 x `NEAR_REACH` + 1
+    columns per row (not of every column) where k* is expected next to a given size; where it
+    is not
+    (the guess at an end of those columns), the whole row's prediction: the same guesses."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 16384, generator=g) * 0.3
+    cand = candidates(logits, 16384, logits=True)
+    a, lm = torch.full((2,), alpha, dtype=F64), torch.full((2,), lam, dtype=F64)
+    start, filled = (predict.dual_start if mode == "dual" else predict.primal_start)(
+        cand.log_x, cand.deficit, a, lm)
+    log_p = cand.log_x[:, :start.log_q.shape[-1]]  # (twice the support it filled, and some)
+    assert (filled > 4 * predict.NEAR_REACH).all(), filled
+    valued = [0]
+    terms = predict.log_entry_term
+
+    def counted(mode, log_p, *args):
+        valued[0] += log_p.shape[-1]
+        return terms(mode, log_p, *args)
+
+    monkeypatch.setattr(predict, "log_entry_term", counted)
+    low = torch.full((2,), 256)
+    whole = predict.predicted_sizes(mode, log_p, cand.deficit, start, a, lm, low, 255)
+    every = valued[0]
+    valued[0] = 0
+    near = predict.predicted_near(mode, log_p, cand.deficit, start, a, lm, low, 255,
+                                  whole[0])
+    assert torch.equal(near[0], whole[0]), (near[0], whole[0])
+    assert valued[0] == 2 * predict.NEAR_REACH + 1 < every // 8, (valued, every)
+    rows = torch.arange(2)
+    inside = torch.isfinite(near[1]).nonzero()
+    # (the same shifts, but for the rounding of sums carried in one piece)
+    assert torch.allclose(near[1][inside[:, 0], inside[:, 1]],
+                          whole[1][inside[:, 0], inside[:, 1]], rtol=1e-9, atol=0)
+    assert inside.numel() and not torch.isfinite(near[1][rows, -1]).any()
+    # Expected far below k*: the guess at the first column valued, so the whole row again.
+    valued[0] = 0
+    far = predict.predicted_near(mode, log_p, cand.deficit, start, a, lm, low, 255,
+                                 whole[0] // 2)
+    assert torch.equal(far[0], whole[0]) and valued[0] > every, (far[0], whole[0], valued)
 
 
 def test_the_next_probe_starts_from_inner_unknowns_moved_to_second_order(monkeypatch):

@@ -56,7 +56,7 @@ from .generators import (
     generic_primal_renorm,
 )
 from .plan import DEFAULT_ROW_VALUES, ROW_DTYPES, ROW_FIELDS, make_plan, rows_family
-from .predict import first_probe, moved_state, predicted_sizes, state_drift
+from .predict import first_probe, moved_state, predicted_near, predicted_sizes, state_drift
 from .primal import (
     _normalized,
     closed_log_renorm,
@@ -386,7 +386,7 @@ def _solved(family: Family | None, mode: str, log_p: Tensor, k: Tensor, alpha: T
 
 def _probe(family: Family | None, mode: str, cand: Candidates, m: Tensor, alpha: Tensor,
            lam: Tensor, start: Tensor, state: Tensor | None, low: Tensor,
-           predict: bool = True) -> _Probe:
+           predict: bool = True, near: bool = False) -> _Probe:
     """One map per row, T_m, by its multiplier nu_m, and what that multiplier decides.
 
     By weak duality (`gaps.log_entry_term`), w(p_(k+1), nu_(k+1)) <= G(k) <= w(p_(k+1), nu_k),
@@ -399,7 +399,8 @@ def _probe(family: Family | None, mode: str, cand: Candidates, m: Tensor, alpha:
     k_B + 1, and ``at`` holds at k_B + 1 (w(p_(k+1), nu_(k+1)) <= lambda there); a probe at
     k_B whose ``at`` fails leaves G(k_B) to the exact gap of T_(k_B) and T_(k_B + 1).
 
-    With ``predict``, the next size: k_B as predicted from nu_m (`predict.predicted_sizes`).
+    With ``predict``, the next size: k_B as predicted from nu_m (`predict.predicted_sizes`;
+    ``near``: m is itself a prediction, k* is expected next to it, `predict.predicted_near`).
     The columns are the candidates' first C (C >= m + 1 where the candidates have it);
     ``start`` / ``state``: warm starts for the solve (NaN: none); ``low``: known lower bounds
     on k* (no size below them is predicted).
@@ -455,7 +456,10 @@ def _probe(family: Family | None, mode: str, cand: Candidates, m: Tensor, alpha:
     # Sizes below the known lower bound need no prediction: the sums over their columns
     # are carried in one piece, the rest column by column.
     skip = max(0, min(int(low.min()) - 1, width - 1))
-    guess, shift = predicted_sizes(mode, log_p, cand.deficit, solved, alpha, lam, m, skip)
+    if near:
+        guess, shift = predicted_near(mode, log_p, cand.deficit, solved, alpha, lam, m, skip, m)
+    else:
+        guess, shift = predicted_sizes(mode, log_p, cand.deficit, solved, alpha, lam, m, skip)
     return _Probe(normalized, solved.lift, below, at, guess, solved.s, shift, solved.state,
                   state_drift(solved), series(guess, shift))
 
@@ -518,15 +522,17 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
     # The first probe where k* is predicted (`predict`), for the families it predicts (the
     # quadratic dual alphas solve a map in a few passes; the primal's alpha < 1 has no level)
     # and the alphas where the floor of the gaps is far from k*.
-    predicted = (low >= PREDICT_FROM) & (low < high) & (alpha >= PREDICT_ALPHA)
+    predicted = (low >= PREDICT_FROM) & (low < high) & (alpha >= PREDICT_ALPHA) \
+        & (family not in QUADRATIC_DUAL_FAMILIES)
     rows = predicted.nonzero().squeeze(-1)
-    if rows.numel() and family not in QUADRATIC_DUAL_FAMILIES:
+    if rows.numel():
         sub = take(cand, rows)
         first = first_probe(mode, sub.log_x, sub.deficit, alpha[rows], lam[rows], low[rows])
         columns = first.values.log_q.shape[-1]
         # (past the candidates with no boundary there: the probes go from low)
-        guess[rows] = torch.where(open_end[rows] & (first.guess >= width), low[rows],
-                                  first.guess)
+        past = open_end[rows] & (first.guess >= width)
+        guess[rows] = torch.where(past, low[rows], first.guess)
+        predicted[rows] = ~past
         last_s[rows], last_shift[rows, :columns] = first.values.s, first.shift
         if last_state is not None:
             last_state[rows, :columns] = first.values.state
@@ -571,8 +577,10 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
                                        else last_state[rows, :columns],
                                        None if last_drift is None
                                        else last_drift[:, rows, :columns])
+            # (a first probe where `predict` put it: k* is expected next to it)
+            near = bool((predicted[rows] & (tries[rows] == 0)).all())
             probe = _probe(family, mode, sub, size, alpha[rows], lam[rows], start, state, lo,
-                           not ending)
+                           not ending, near)
             log_q, lift = (torch.nn.functional.pad(t, (0, width - columns), value=-math.inf)
                            for t in (probe.log_q, probe.lift))
             both = probe.below & probe.at
@@ -711,10 +719,15 @@ def _search(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
     return low, cache, cached, left
 
 
+#: Sizes the floor of the gaps is evaluated at, about (`_floor_sizes`).
+FLOOR_SIZES = 2048
+
+
 def _floor_sizes(mode: str, cand: Candidates, alpha: Tensor, lam: Tensor) -> Tensor:
-    """A lower bound on k* per row, from a floor of every cost gap: G(k) > lambda, hence
-    k* > k, until the floor reaches lambda. Returns the first k in 1 .. W - 1 whose floor is at
-    most lambda, else W (k* >= W: the row needs a wider round, and no probe of this one).
+    """A lower bound on k* per row, from a floor of the cost gaps: G(k) >= floor(k) > lambda,
+    hence k* > k (G is nonincreasing in k). Returns 1 + the last sampled k in 1 .. W - 1 whose
+    floor is above lambda, or 1; W where that is k = W - 1 (k* >= W: the row needs a wider
+    round, and no probe of this one).
     Exact, not a heuristic: where k* is large (tiny lambda, primal alpha near 0, dual alpha
     near 1) it starts the search next to k* and skips the probes of the rounds below it.
 
@@ -734,9 +747,15 @@ def _floor_sizes(mode: str, cand: Candidates, alpha: Tensor, lam: Tensor) -> Ten
         return torch.ones(alpha.shape[0], dtype=torch.long, device=alpha.device)
     a = alpha.unsqueeze(-1)
     b = a - 1.0
-    log_p = cand.log_x[:, 1:]  # p_(k+1), k = 1 .. W-1
-    sizes = torch.arange(1, width, device=log_p.device)
-    log_share = torch.log(cand.deficit[:, 1:]) - torch.log1p(sizes.to(log_p.dtype))  # R/m
+    # About `FLOOR_SIZES` evenly spaced sizes k in 1 .. W-1, and W-1: a bound within a stride
+    # of the one from every size, at a small part of its cost.
+    stride = max(1, (width - 1) // FLOOR_SIZES)
+    sizes = torch.arange(1, width, stride, device=alpha.device)
+    if int(sizes[-1]) != width - 1:
+        sizes = torch.cat([sizes, sizes.new_tensor([width - 1])])
+    log_p = cand.log_x.index_select(1, sizes)  # p_(k+1)
+    log_share = torch.log(cand.deficit.index_select(1, sizes)) \
+        - torch.log1p(sizes.to(log_p.dtype))  # R/m
     if mode == "primal":
         level = torch.where(b >= 1.0, log_share, (torch.log(b.clamp_min(1e-300)) + log_share)
                             / b.clamp_min(1e-300))
@@ -745,8 +764,9 @@ def _floor_sizes(mode: str, cand: Candidates, alpha: Tensor, lam: Tensor) -> Ten
         log_q = torch.where(a >= 2.0, torch.maximum(log_p, log_share),
                             torch.logaddexp(log_p, log_share + (1.0 - b) * log_p))
     log_floor = log_entry_term(mode, log_p, log_q, a)
-    below = ~(log_floor > torch.log(lam).unsqueeze(-1))  # (zero entries: NaN or -inf)
-    return torch.where(below, sizes, width).amin(-1)
+    above = log_floor > torch.log(lam).unsqueeze(-1)  # (zero entries: NaN or -inf)
+    # G(k) > lambda at a size k means k* > k: G is nonincreasing in k (Theorem 3.3).
+    return torch.where(above, sizes + 1, 1).amax(-1)
 
 
 def _support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor) -> Decoded:

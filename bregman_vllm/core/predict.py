@@ -18,7 +18,8 @@ general alphas `dual_start` predicts from one multiplier found without a map, pe
    primal-shaped approximation (`dual._shaped_inner`, a closed form; k(s~) within 0.5 to 2 %
    of k* on the extreme cases of benchmarks/bench_core.py);
 2. the exact inner roots at s~ on every column (Newton from the shaped ones, `dual._inner_steps`);
-3. `predicted_sizes` from those values, as from a probe's multiplier.
+3. `predicted_sizes` from those values, as from a probe's multiplier, column by column only
+   next to the support filled at s~ (`predicted_near`).
 """
 
 from __future__ import annotations
@@ -82,47 +83,112 @@ def predicted_sizes(mode: str, log_p: Tensor, deficit: Tensor, values: Multiplie
     ``deficit``: R_1 .. R_C ([n, C], `candidates.Candidates.deficit`).
     """
     width = log_p.shape[-1]
-    acol = alpha.to(log_p.dtype).unsqueeze(-1)
-    log_q = values.log_q
-    q = torch.exp(log_q)
-    positive = torch.isfinite(log_p)
-    added = torch.where(positive, torch.exp(torch.where(positive, log_p, 0.0))
-                        * torch.expm1(values.lift), q)
-    terms = torch.stack([added, q * values.rate, q * (values.rate ** 2 + values.curvature)])
-    terms = torch.where(torch.isfinite(terms), terms, 0.0)  # (none may spoil the sums)
+    terms = _terms(log_p, values)
     carried = terms[..., :skip].sum(-1, keepdim=True)
-    total, first, second = (torch.cumsum(terms[..., skip:], -1) + carried).unbind(0)
-    first = first / total  # (log A)'
-    second = second / total - first ** 2
-    newton = (torch.log(deficit[:, skip:width]) - torch.log(total)) / first
-    shift = newton / (1.0 + 0.5 * newton * second / first).clamp(0.5, 2.0)
-    ahead = log_q[:, skip:]
-    log_w = log_entry_term(mode, log_p[:, skip:], ahead, acol)
-    # d log w_j / ds: alpha rate_j (primal); dual, with dw / dnu = q: g = nu q_j / w_j and
-    # d^2 log w / ds^2 = g (1 + rate_j) - g^2.
-    rate = values.rate[:, skip:]
-    if mode == "primal":
-        gain, bend = acol * rate, acol * values.curvature[:, skip:]
-    else:
-        gain = torch.exp(values.s.unsqueeze(-1) + ahead - log_w)
-        bend = gain * (1.0 + rate) - gain ** 2
-    predicted = log_w + shift * (gain + 0.5 * bend * shift)
-    column = torch.arange(skip, width, device=m.device)
-    # (no added mass yet, in the first columns: no prediction there, and k* >= m anyway)
-    keeps = (predicted > torch.log(lam).unsqueeze(-1)) | (torch.isnan(predicted)
-                                                          & (column < m.unsqueeze(-1)))
-    stops = torch.where(~keeps, column, width).amin(-1)  # first column predicted to stop
+    sums = torch.cumsum(terms[..., skip:], -1) + carried
+    stops, shift = _predicted_at(
+        mode, log_p[:, skip:], values.log_q[:, skip:], values.rate[:, skip:],
+        values.curvature[:, skip:], deficit[:, skip:width], sums, values.s, alpha, lam, m,
+        torch.arange(skip, width, device=m.device), width)
     guess = torch.where(torch.isneginf(values.s), m, stops.clamp_min(1))  # its size - 1
     return guess, torch.nn.functional.pad(shift, (skip, 0), value=math.nan)
 
 
+def _terms(log_p: Tensor, values: Multiplier) -> Tensor:
+    """Per column, the mass q_i - p_i the map adds and its first two derivatives in s
+    ([3, n, C]; 0 where not finite: none may spoil the sums)."""
+    q = torch.exp(values.log_q)
+    positive = torch.isfinite(log_p)
+    added = torch.where(positive, torch.exp(torch.where(positive, log_p, 0.0))
+                        * torch.expm1(values.lift), q)
+    terms = torch.stack([added, q * values.rate, q * (values.rate ** 2 + values.curvature)])
+    return torch.where(torch.isfinite(terms), terms, 0.0)
+
+
+def _predicted_at(mode: str, log_p: Tensor, log_q: Tensor, rate: Tensor, curvature: Tensor,
+                  deficit: Tensor, sums: Tensor, s: Tensor, alpha: Tensor, lam: Tensor,
+                  m: Tensor, column: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """`predicted_sizes` at the given columns (``column``: [J] or [n, J]; the other arrays
+    [n, J], ``sums`` the cumulative `_terms` through each column): the first column predicted
+    to stop (``width`` where none is) and each column's predicted shift."""
+    acol = alpha.to(log_p.dtype).unsqueeze(-1)
+    total, first, second = sums.unbind(0)
+    first = first / total  # (log A)'
+    second = second / total - first ** 2
+    newton = (torch.log(deficit) - torch.log(total)) / first
+    shift = newton / (1.0 + 0.5 * newton * second / first).clamp(0.5, 2.0)
+    log_w = log_entry_term(mode, log_p, log_q, acol)
+    # d log w_j / ds: alpha rate_j (primal); dual, with dw / dnu = q: g = nu q_j / w_j and
+    # d^2 log w / ds^2 = g (1 + rate_j) - g^2.
+    if mode == "primal":
+        gain, bend = acol * rate, acol * curvature
+    else:
+        gain = torch.exp(s.unsqueeze(-1) + log_q - log_w)
+        bend = gain * (1.0 + rate) - gain ** 2
+    predicted = log_w + shift * (gain + 0.5 * bend * shift)
+    # (no added mass yet, in the first columns: no prediction there, and k* >= m anyway)
+    keeps = (predicted > torch.log(lam).unsqueeze(-1)) | (torch.isnan(predicted)
+                                                          & (column < m.unsqueeze(-1)))
+    return torch.where(~keeps, column, width).amin(-1), shift
+
+
+#: Sizes on each side of where k* is expected that `predicted_near` predicts column by column.
+NEAR_REACH = 256
+
+
+def _columns(values: Multiplier, rows: Tensor | slice, end: int) -> Multiplier:
+    """``values`` of ``rows``, at the first ``end`` columns."""
+    return Multiplier(values.s[rows], *(None if t is None else t[rows, :end] for t in values[1:]))
+
+
+def predicted_near(mode: str, log_p: Tensor, deficit: Tensor, values: Multiplier,
+                   alpha: Tensor, lam: Tensor, m: Tensor, skip: int, expected: Tensor,
+                   reach: int = NEAR_REACH) -> tuple[Tensor, Tensor]:
+    """`predicted_sizes` where k* is expected next to ``expected`` (sizes per row: a probe
+    placed by a prediction, or the support a multiplier filled, `_bisected`): the Halley steps
+    and entry terms only ``reach`` sizes on each side of it, per row (those of a whole row
+    cost more than its sums). A row whose first stop is at an end of its columns (k* may lie
+    past it) is predicted over all of them: the same guesses, and NaN shifts outside the
+    columns predicted at (a probe there starts from s itself, `exact._warm_start`)."""
+    width = log_p.shape[-1]
+    span = min(width - skip, 2 * reach + 1)
+    if span == width - skip:
+        return predicted_sizes(mode, log_p, deficit, values, alpha, lam, m, skip)
+    n = log_p.shape[0]
+    first = (expected - reach).clamp(skip, width - span)
+    column = first.unsqueeze(-1) + torch.arange(span, device=m.device)  # [n, span]
+    end = int(first.max()) + span
+    terms = _terms(log_p[:, :end], _columns(values, slice(None), end))
+    sums = torch.cumsum(terms[..., skip:], -1) + terms[..., :skip].sum(-1, keepdim=True)
+    sums = sums.gather(-1, (column - skip).expand(3, n, span))
+
+    def at(t: Tensor) -> Tensor:
+        return t.gather(1, column)
+
+    stops, near = _predicted_at(mode, at(log_p), at(values.log_q), at(values.rate),
+                                at(values.curvature), at(deficit), sums, values.s, alpha, lam,
+                                m, column, width)
+    guess = torch.where(torch.isneginf(values.s), m, stops.clamp_min(1))
+    shift = torch.full_like(log_p, math.nan).scatter_(1, column, near)
+    missed = (((stops <= first) & (first > skip)) | ((stops >= first + span)
+                                                     & (first + span < width))) \
+        & torch.isfinite(values.s)
+    if bool(missed.any()):
+        rows = missed.nonzero().squeeze(-1)
+        guess[rows], shift[rows] = predicted_sizes(
+            mode, log_p[rows], deficit[rows], _columns(values, rows, width), alpha[rows],
+            lam[rows], m[rows], skip)
+    return guess, shift
+
+
 def _bisected(mode: str, log_p: Tensor, deficit: Tensor, alpha: Tensor, log_lam: Tensor,
-              low: Tensor, lift, zero) -> tuple[Tensor, int]:
+              low: Tensor, lift, zero) -> tuple[Tensor, int, Tensor]:
     """Step 1 of the module docstring: the multiplier s~ per row in [low, 0], by bisection on
     about `SAMPLED_COLUMNS` evenly spaced columns; at s, ``lift(s, lp)`` gives log(q / p) of the
     positive entries (``lp``: log p, 0 where p = 0) and ``zero(s)`` log q of the zero ones
     ([n, 1]). Also the columns the next steps value: twice the largest support filled at s~,
-    and `SPARE_COLUMNS` more (the predictions reach that far)."""
+    and `SPARE_COLUMNS` more (the predictions reach that far); and the support filled at s~
+    per row (to the sampling's stride)."""
     width = log_p.shape[-1]
     stride = max(1, width // SAMPLED_COLUMNS)
     lp = log_p[:, ::stride]
@@ -145,13 +211,16 @@ def _bisected(mode: str, log_p: Tensor, deficit: Tensor, alpha: Tensor, log_lam:
         big = (w > log_lam) & (filled.squeeze(-1) < samples)
         high = torch.where(big, s, high)
         low = torch.where(big, low, s)
-    return 0.5 * (low + high), min(width, 2 * (int(filled.max()) + 1) * stride + SPARE_COLUMNS)
+    sizes = filled.squeeze(-1) * stride
+    return 0.5 * (low + high), min(width, 2 * (int(sizes.max()) + stride) + SPARE_COLUMNS), sizes
 
 
-def dual_start(log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor) -> Multiplier:
+def dual_start(log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor
+               ) -> tuple[Multiplier, Tensor]:
     """The values of the multiplier s~ of the module docstring (steps 1 and 2) for dual rows of
     any alpha > 1, at the first columns (`_bisected`): what `predicted_sizes` predicts the first
-    probe from, and its warm start (``state``: the inner unknowns z)."""
+    probe from, and its warm start (``state``: the inner unknowns z); and the support filled
+    at s~ per row."""
     a = alpha.to(log_p.dtype).unsqueeze(-1)
     beta = a - 1.0
     finite = torch.isfinite(log_p)
@@ -163,17 +232,18 @@ def dual_start(log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor) -> Mu
     # (at the lower end every entry's t = s - beta log p is below -60: no mass added; a zero
     # entry's q is nu^(1/beta))
     low = (beta * lp).amin(-1).squeeze(-1) - 60.0
-    s, columns = _bisected("dual", log_p, deficit, a, torch.log(lam).to(log_p.dtype), low,
-                           shaped, lambda s: s.unsqueeze(-1) / beta)
+    s, columns, sizes = _bisected("dual", log_p, deficit, a, torch.log(lam).to(log_p.dtype),
+                                  low, shaped, lambda s: s.unsqueeze(-1) / beta)
     finite, lp = finite[:, :columns], lp[:, :columns]
     z = _shaped_inner(beta, s.unsqueeze(-1) - beta * lp)
-    return values_at(lp, finite, beta, s, _inner_steps(beta, lp, s, z, INNER_STEPS))
+    return values_at(lp, finite, beta, s, _inner_steps(beta, lp, s, z, INNER_STEPS)), sizes
 
 
-def primal_start(log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor) -> Multiplier:
+def primal_start(log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor
+                 ) -> tuple[Multiplier, Tensor]:
     """The values at the first columns (`_bisected`) of the level s~ = tau of the module
     docstring's step 1 (q_i^beta = p_i^beta + e^(beta tau), `primal.primal_multiplier`) for
-    primal rows of alpha > 1: closed forms, no step 2."""
+    primal rows of alpha > 1: closed forms, no step 2; and the support filled at s~ per row."""
     a = alpha.to(log_p.dtype).unsqueeze(-1)
     beta = a - 1.0
     finite = torch.isfinite(log_p)
@@ -185,9 +255,9 @@ def primal_start(log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor) -> 
     # (at the lower end every entry's beta (tau - log p) is below -60: no mass added; a zero
     # entry's q is the level c = e^tau)
     low = lp.amin(-1) - 60.0 / beta.squeeze(-1)
-    s, columns = _bisected("primal", log_p, deficit, a, torch.log(lam).to(log_p.dtype), low,
-                           level, lambda s: s.unsqueeze(-1))
-    return level_values(lp[:, :columns], finite[:, :columns], beta, s)
+    s, columns, sizes = _bisected("primal", log_p, deficit, a, torch.log(lam).to(log_p.dtype),
+                                  low, level, lambda s: s.unsqueeze(-1))
+    return level_values(lp[:, :columns], finite[:, :columns], beta, s), sizes
 
 
 class FirstProbe(NamedTuple):
@@ -206,9 +276,10 @@ def first_probe(mode: str, log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: T
     (Moving the dual's inner unknowns on to the multiplier predicted at the guessed size and
     solving them there, a closer start for the probe's joint Newton, measured no faster: the
     joint Newton saves about the passes the move costs.)"""
-    start = (dual_start if mode == "dual" else primal_start)(log_p, deficit, alpha, lam)
+    start, sizes = (dual_start if mode == "dual" else primal_start)(log_p, deficit, alpha, lam)
     columns = start.log_q.shape[-1]
     skip = max(0, min(int(low.min()) - 1, columns - 1))
-    guess, shift = predicted_sizes(mode, log_p[:, :columns], deficit, start, alpha, lam, low,
-                                   skip)
+    # (k* is expected within a few per cent of the support filled at s~)
+    guess, shift = predicted_near(mode, log_p[:, :columns], deficit, start, alpha, lam, low,
+                                  skip, sizes, NEAR_REACH + int(sizes.max()) // 16)
     return FirstProbe(guess, start, shift)
