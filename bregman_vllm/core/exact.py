@@ -747,26 +747,36 @@ def _floor_sizes(mode: str, cand: Candidates, alpha: Tensor, lam: Tensor) -> Ten
         return torch.ones(alpha.shape[0], dtype=torch.long, device=alpha.device)
     a = alpha.unsqueeze(-1)
     b = a - 1.0
-    # About `FLOOR_SIZES` evenly spaced sizes k in 1 .. W-1, and W-1: a bound within a stride
-    # of the one from every size, at a small part of its cost.
+    log_lam = torch.log(lam).unsqueeze(-1)
+
+    def bound(sizes: Tensor) -> Tensor:  # 1 + the last of ``sizes`` ([n, J]) above lambda
+        log_p = cand.log_x.gather(1, sizes)  # p_(k+1)
+        log_share = torch.log(cand.deficit.gather(1, sizes)) \
+            - torch.log1p(sizes.to(log_p.dtype))  # R/m
+        if mode == "primal":
+            level = torch.where(b >= 1.0, log_share,
+                                (torch.log(b.clamp_min(1e-300)) + log_share) / b.clamp_min(1e-300))
+            log_q = torch.where(b > 0, torch.maximum(log_p, level), log_p)
+        else:
+            log_q = torch.where(a >= 2.0, torch.maximum(log_p, log_share),
+                                torch.logaddexp(log_p, log_share + (1.0 - b) * log_p))
+        above = log_entry_term(mode, log_p, log_q, a) > log_lam  # (zero entries: NaN, -inf)
+        # G(k) > lambda at a size k means k* > k: G is nonincreasing in k (Theorem 3.3).
+        return torch.where(above, sizes + 1, 1).amax(-1)
+
+    # About `FLOOR_SIZES` evenly spaced sizes k in 1 .. W-1 and W-1, then every size of the
+    # stride after the last one above lambda: the bound from every size, at a small part of
+    # its cost (next to alpha = 1 the search starts there, next to k*).
+    n = alpha.shape[0]
     stride = max(1, (width - 1) // FLOOR_SIZES)
     sizes = torch.arange(1, width, stride, device=alpha.device)
     if int(sizes[-1]) != width - 1:
         sizes = torch.cat([sizes, sizes.new_tensor([width - 1])])
-    log_p = cand.log_x.index_select(1, sizes)  # p_(k+1)
-    log_share = torch.log(cand.deficit.index_select(1, sizes)) \
-        - torch.log1p(sizes.to(log_p.dtype))  # R/m
-    if mode == "primal":
-        level = torch.where(b >= 1.0, log_share, (torch.log(b.clamp_min(1e-300)) + log_share)
-                            / b.clamp_min(1e-300))
-        log_q = torch.where(b > 0, torch.maximum(log_p, level), log_p)
-    else:
-        log_q = torch.where(a >= 2.0, torch.maximum(log_p, log_share),
-                            torch.logaddexp(log_p, log_share + (1.0 - b) * log_p))
-    log_floor = log_entry_term(mode, log_p, log_q, a)
-    above = log_floor > torch.log(lam).unsqueeze(-1)  # (zero entries: NaN or -inf)
-    # G(k) > lambda at a size k means k* > k: G is nonincreasing in k (Theorem 3.3).
-    return torch.where(above, sizes + 1, 1).amax(-1)
+    found = bound(sizes.expand(n, -1))
+    if stride == 1:
+        return found
+    after = (found.unsqueeze(-1) + torch.arange(stride, device=alpha.device)).clamp_max(width - 1)
+    return torch.maximum(found, bound(after))
 
 
 def _support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor) -> Decoded:
