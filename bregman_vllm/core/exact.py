@@ -56,7 +56,14 @@ from .generators import (
     generic_primal_renorm,
 )
 from .plan import DEFAULT_ROW_VALUES, ROW_DTYPES, ROW_FIELDS, make_plan, rows_family
-from .predict import first_probe, moved_state, predicted_near, predicted_sizes, state_drift
+from .predict import (
+    NEAR_REACH,
+    first_probe,
+    moved_state,
+    predicted_near,
+    predicted_sizes,
+    state_drift,
+)
 from .primal import (
     _normalized,
     closed_log_renorm,
@@ -456,12 +463,26 @@ def _probe(family: Family | None, mode: str, cand: Candidates, m: Tensor, alpha:
     # Sizes below the known lower bound need no prediction: the sums over their columns
     # are carried in one piece, the rest column by column.
     skip = max(0, min(int(low.min()) - 1, width - 1))
-    if near:
-        guess, shift = predicted_near(mode, log_p, cand.deficit, solved, alpha, lam, m, skip, m)
-    else:
+    if not near:
         guess, shift = predicted_sizes(mode, log_p, cand.deficit, solved, alpha, lam, m, skip)
+        return _Probe(normalized, solved.lift, below, at, guess, solved.s, shift, solved.state,
+                      state_drift(solved), series(guess, shift))
+    # k* is expected next to m: the series first, and a prediction only for the rows that it
+    # and the multiplier's bounds leave open (`predict.predicted_near`).
+    found = series(m)
+    least = torch.where(below, m, 0)
+    most = torch.where(at, m, torch.iinfo(m.dtype).max)
+    if found is not None:
+        least, most = torch.maximum(least, found.low), torch.minimum(most, found.high)
+    guess, shift = m.clone(), torch.full_like(log_q, math.nan)
+    rows = (least < most).nonzero().squeeze(-1)
+    if rows.numel():
+        guess[rows], shift[rows] = predicted_near(
+            mode, log_p[rows], cand.deficit[rows],
+            Multiplier(*(None if t is None else t[rows] for t in solved)), alpha[rows],
+            lam[rows], m[rows], skip, m[rows])
     return _Probe(normalized, solved.lift, below, at, guess, solved.s, shift, solved.state,
-                  state_drift(solved), series(guess, shift))
+                  state_drift(solved), found)
 
 
 def _warm_start(size: Tensor, s: Tensor, shift: Tensor, state: Tensor | None,
@@ -564,10 +585,14 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
             lo, hi = low[rows], high[rows]
             # The columns a probe values: its support, the next column, and as many again for
             # the prediction (a probe predicts at most twice its size: O(log k*) probes in any
-            # case); only the first two where every bracket is down to two sizes (maps for an
-            # exact gap).
+            # case), or `NEAR_REACH` more for a probe put where k* is predicted; only the
+            # first two where every bracket is down to two sizes (maps for an exact gap).
             ending = bool((hi - lo <= 1).all())
-            columns = min(width, int(hi.max()) + 1, 2 * int(size.max()) + _SPARE_COLUMNS)
+            # (a first probe where `predict` put it: k* is expected next to it, and its own
+            # prediction reaches `NEAR_REACH` sizes past it, `predict.predicted_near`)
+            near = bool((predicted[rows] & (tries[rows] == 0)).all())
+            reach = NEAR_REACH + _SPARE_COLUMNS if near else int(size.max()) + _SPARE_COLUMNS
+            columns = min(width, int(hi.max()) + 1, int(size.max()) + reach)
             # (a probe's series reads the sizes next to its own)
             columns = min(width, int(size.max()) + SERIES_COLUMNS) if ending else columns
             sub = take(cand, rows)
@@ -577,8 +602,6 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
                                        else last_state[rows, :columns],
                                        None if last_drift is None
                                        else last_drift[:, rows, :columns])
-            # (a first probe where `predict` put it: k* is expected next to it)
-            near = bool((predicted[rows] & (tries[rows] == 0)).all())
             probe = _probe(family, mode, sub, size, alpha[rows], lam[rows], start, state, lo,
                            not ending, near)
             log_q, lift = (torch.nn.functional.pad(t, (0, width - columns), value=-math.inf)
