@@ -102,7 +102,7 @@ def _terms(log_p: Tensor, values: Multiplier) -> Tensor:
     added = torch.where(positive, torch.exp(torch.where(positive, log_p, 0.0))
                         * torch.expm1(values.lift), q)
     terms = torch.stack([added, q * values.rate, q * (values.rate ** 2 + values.curvature)])
-    return torch.where(torch.isfinite(terms), terms, 0.0)
+    return torch.nan_to_num(terms, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _predicted_at(mode: str, log_p: Tensor, log_q: Tensor, rate: Tensor, curvature: Tensor,
