@@ -32,6 +32,7 @@ import asyncio
 import io
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -159,6 +160,8 @@ def main() -> int:
     parser.add_argument("--baseline", help="git revision of the core to measure beside")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    # SIGTERM (a timeout, a killed job) unwinds like Ctrl-C: `run` stops the server it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if not MODEL.is_dir():
         raise SystemExit(f"{MODEL} is missing: run `python scripts/prepare_models.py`")
     print(f"{BATCH} concurrent completions of {args.tokens} tokens each, SmolLM2-135M-Instruct, "
