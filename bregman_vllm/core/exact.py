@@ -258,9 +258,10 @@ GUIDED_PROBES = 8
 #: Lower bound on k* from which the first probe goes where `predict` predicts k* (below, a
 #: probe costs little).
 PREDICT_FROM = 256
-#: Smallest alpha predicted: next to alpha = 1 the floor is close to k* (measured: the same
-#: probes at dual alpha 1.001, and the prediction's cost on top).
-PREDICT_ALPHA = 1.5
+#: Smallest alpha predicted, per mode: next to alpha = 1 the floor is close to k* (measured at
+#: [8, 49152]: dual alpha 1.001 to 1.05 1.2x the time with the prediction, 1.1 to 1.4 from
+#: 0.7x to 1.2x by rows; primal alpha 1.05 to 1.3 0.6x to 1.0x, 1.001 1.15x).
+PREDICT_ALPHA = MappingProxyType({"primal": 1.05, "dual": 1.5})
 #: Columns a probe values past twice its size, for its prediction (`_guided`).
 _SPARE_COLUMNS = 64
 #: A bracket this narrow is decided by one probe of all its sizes (user generators).
@@ -543,7 +544,7 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
     # The first probe where k* is predicted (`predict`), for the families it predicts (the
     # quadratic dual alphas solve a map in a few passes; the primal's alpha < 1 has no level)
     # and the alphas where the floor of the gaps is far from k*.
-    predicted = (low >= PREDICT_FROM) & (low < high) & (alpha >= PREDICT_ALPHA) \
+    predicted = (low >= PREDICT_FROM) & (low < high) & (alpha >= PREDICT_ALPHA[mode]) \
         & (family not in QUADRATIC_DUAL_FAMILIES)
     rows = predicted.nonzero().squeeze(-1)
     if rows.numel():
