@@ -321,7 +321,7 @@ def test_one_dual_solve_decides_k_star_next_to_it(monkeypatch):
 @pytest.mark.parametrize(("mode", "alpha", "lam", "spread"), [
     ("dual", 10.0, 1e-100, 4.0), ("dual", 20.0, 1e-240, 5.0), ("dual", 4.0, 1e-16, 0.3),
     ("dual", 2.5, 1e-12, 0.3), ("primal", 20.0, 1e-240, 5.0), ("primal", 3.0, 1e-12, 0.3),
-    ("primal", 1.2, 4e-6, 0.3)])
+    ("primal", 1.2, 4e-6, 0.3), ("primal", 0.3, 0.17, 0.3)])
 def test_the_first_probe_goes_where_k_star_is_predicted(mode, alpha, lam, spread, monkeypatch):
     """`predict.dual_start` / `predict.primal_start`: the multiplier at which the support it
     fills has its next term at lambda, found without a map, predicts k* within the series'

@@ -258,10 +258,10 @@ GUIDED_PROBES = 8
 #: Lower bound on k* from which the first probe goes where `predict` predicts k* (below, a
 #: probe costs little).
 PREDICT_FROM = 256
-#: Smallest alpha predicted, per mode: next to alpha = 1 the floor is close to k* (measured at
-#: [8, 49152]: dual alpha 1.001 to 1.05 1.2x the time with the prediction, 1.1 to 1.4 from
-#: 0.7x to 1.2x by rows; primal alpha 1.05 to 1.3 0.6x to 1.0x, 1.001 1.15x).
-PREDICT_ALPHA = MappingProxyType({"primal": 1.05, "dual": 1.5})
+#: Smallest |alpha - 1| predicted, per mode: next to alpha = 1 the floor is close to k*
+#: (measured at [8, 49152]: dual alpha 1.001 to 1.05 1.2x the time with the prediction, 1.1 to
+#: 1.4 from 0.7x to 1.2x by rows; primal alpha 1.05 to 1.3 0.6x to 1.0x, 1.001 1.15x).
+PREDICT_DISTANCE = MappingProxyType({"primal": 0.05, "dual": 0.5})
 #: Columns a probe values past twice its size, for its prediction (`_guided`).
 _SPARE_COLUMNS = 64
 #: A bracket this narrow is decided by one probe of all its sizes (user generators).
@@ -542,19 +542,26 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
     last_state = None if mode == "primal" else torch.full_like(low_map, math.nan)
     tries = torch.zeros_like(low)
     # The first probe where k* is predicted (`predict`), for the families it predicts (the
-    # quadratic dual alphas solve a map in a few passes; the primal's alpha < 1 has no level)
-    # and the alphas where the floor of the gaps is far from k*.
-    predicted = (low >= PREDICT_FROM) & (low < high) & (alpha >= PREDICT_ALPHA[mode]) \
-        & (family not in QUADRATIC_DUAL_FAMILIES)
-    rows = predicted.nonzero().squeeze(-1)
-    if rows.numel():
+    # quadratic dual alphas solve a map in a few passes) and the alphas where the floor of the
+    # gaps is far from k*; the primal's alphas above and below 1 apart (another scalar).
+    # (below alpha = 1 from 8x PREDICT_FROM: measured at [8, 49152], peaked rows with k* in the
+    # hundreds took 1.3x the time with the prediction, its bisection on top of cheap probes)
+    predicted = (low >= torch.where(alpha < 1.0, 8 * PREDICT_FROM, PREDICT_FROM)) & (low < high) \
+        & ((alpha - 1.0).abs() >= PREDICT_DISTANCE[mode]) & (family not in QUADRATIC_DUAL_FAMILIES)
+    for rows in (predicted & (alpha > 1.0)).nonzero().squeeze(-1), \
+            (predicted & (alpha < 1.0)).nonzero().squeeze(-1):
+        if rows.numel() == 0:
+            continue
         sub = take(cand, rows)
         first = first_probe(mode, sub.log_x, sub.deficit, alpha[rows], lam[rows], low[rows])
-        columns = first.values.log_q.shape[-1]
         # (past the candidates with no boundary there: the probes go from low)
         past = open_end[rows] & (first.guess >= width)
         guess[rows] = torch.where(past, low[rows], first.guess)
-        predicted[rows] = ~past
+        predicted[rows] = first.predicted & ~past
+        if first.values is None:
+            continue
+        rows = rows[first.predicted]
+        columns = first.values.log_q.shape[-1]
         last_s[rows], last_shift[rows, :columns] = first.values.s, first.shift
         if last_state is not None:
             last_state[rows, :columns] = first.values.state

@@ -8,7 +8,8 @@ the probes' weak-duality bounds and exact gaps decide k*.
 
 Where k* is in the thousands (tiny lambda) the first probe used to go to the floor of the gaps
 (`exact._floor_sizes`), 5 to 40 % below k*, and two more maps to get next to it. For the dual's
-general alphas `dual_start` predicts from one multiplier found without a map, per row:
+general alphas and the primal's on both sides of 1 (`first_probe`) it is predicted from one
+multiplier found without a map, per row:
 
 1. s~, where the support the multiplier fills, k(s) (the last size whose added mass
    A_k(s) = sum_(i<=k) (q_i(s) - p_i) is at most R_k, eq. (5)), has its next entry's term at
@@ -17,7 +18,9 @@ general alphas `dual_start` predicts from one multiplier found without a map, pe
    `SAMPLED_COLUMNS` evenly spaced columns, with the inner roots replaced by their
    primal-shaped approximation (`dual._shaped_inner`, a closed form; k(s~) within 0.5 to 2 %
    of k* on the extreme cases of benchmarks/bench_core.py);
-2. the exact inner roots at s~ on every column (Newton from the shaped ones, `dual._inner_steps`);
+2. the values at s~ on every column: the dual's exact inner roots (Newton from the shaped ones,
+   `dual._inner_steps`), the primal's closed forms in its level (alpha > 1) or in delta =
+   log(q_1 / p_1) (alpha < 1, `primal.top_values`);
 3. `predicted_sizes` from those values, as from a probe's multiplier, column by column only
    next to the support filled at s~ (`predicted_near`).
 """
@@ -31,7 +34,7 @@ import torch
 
 from .dual import _inner_steps, _shaped_inner, values_at
 from .gaps import log_entry_term
-from .primal import level_lift, level_values
+from .primal import _top_lift, level_lift, level_values, top_values
 from .roots import Multiplier
 
 Tensor = torch.Tensor
@@ -182,22 +185,21 @@ def predicted_near(mode: str, log_p: Tensor, deficit: Tensor, values: Multiplier
 
 
 def _bisected(mode: str, log_p: Tensor, deficit: Tensor, alpha: Tensor, log_lam: Tensor,
-              low: Tensor, lift, zero) -> tuple[Tensor, int, Tensor]:
-    """Step 1 of the module docstring: the multiplier s~ per row in [low, 0], by bisection on
-    about `SAMPLED_COLUMNS` evenly spaced columns; at s, ``lift(s, lp)`` gives log(q / p) of the
-    positive entries (``lp``: log p, 0 where p = 0) and ``zero(s)`` log q of the zero ones
-    ([n, 1]). Also the columns the next steps value: twice the largest support filled at s~,
-    and `SPARE_COLUMNS` more (the predictions reach that far); and the support filled at s~
-    per row (to the sampling's stride)."""
-    width = log_p.shape[-1]
-    stride = max(1, width // SAMPLED_COLUMNS)
+              low: Tensor, lift, zero, high: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Step 1 of the module docstring: the multiplier s~ per row in [low, high] (default 0), by
+    bisection on about `SAMPLED_COLUMNS` evenly spaced columns; at s, ``lift(s, lp)`` gives
+    log(q / p) of the positive entries (``lp``: log p, 0 where p = 0) and ``zero(s)`` log q of
+    the zero ones ([n, 1]). Also the support filled at s~ per row (to the sampling's stride,
+    `_stride`)."""
+    stride = _stride(log_p.shape[-1])
     lp = log_p[:, ::stride]
     r = deficit[:, ::stride]
     finite = torch.isfinite(lp)
     p = torch.exp(lp)
     lp = torch.where(finite, lp, 0.0)
     samples = lp.shape[-1]
-    high = torch.zeros_like(low)  # nu < 1 (Theorem A.1), c < 1 (eq. (4))
+    if high is None:
+        high = torch.zeros_like(low)  # nu < 1 (Theorem A.1), c < 1 (eq. (4))
     for _ in range(SEARCH_STEPS):
         s = 0.5 * (low + high)
         rise, level = lift(s, lp), zero(s)
@@ -211,75 +213,114 @@ def _bisected(mode: str, log_p: Tensor, deficit: Tensor, alpha: Tensor, log_lam:
         big = (w > log_lam) & (filled.squeeze(-1) < samples)
         high = torch.where(big, s, high)
         low = torch.where(big, low, s)
-    sizes = filled.squeeze(-1) * stride
-    return 0.5 * (low + high), min(width, 2 * (int(sizes.max()) + stride) + SPARE_COLUMNS), sizes
+    return 0.5 * (low + high), filled.squeeze(-1) * stride
+
+
+def _stride(width: int) -> int:
+    return max(1, width // SAMPLED_COLUMNS)
+
+
+def _columns_after(sizes: Tensor, width: int) -> int:
+    """The columns steps 2 and 3 value: twice the largest support filled at s~, and
+    `SPARE_COLUMNS` more (the predictions reach that far)."""
+    return min(width, 2 * (int(sizes.max()) + _stride(width)) + SPARE_COLUMNS)
+
+
+def _guessed(mode: str, log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor
+             ) -> tuple[Tensor, Tensor]:
+    """Step 1 for rows of one kind (dual; primal alpha > 1, in the level tau; primal alpha < 1,
+    in delta = log(q_1 / p_1)): s~ and the support filled at it."""
+    a = alpha.to(log_p.dtype).unsqueeze(-1)
+    beta = a - 1.0
+    lp = torch.where(torch.isfinite(log_p), log_p, 0.0)
+    log_lam = torch.log(lam).to(log_p.dtype)
+    if mode == "dual":
+        # (at the lower end every entry's t = s - beta log p is below -60: no mass added; a
+        # zero entry's q is nu^(1/beta))
+        return _bisected(mode, log_p, deficit, a, log_lam,
+                         (beta * lp).amin(-1).squeeze(-1) - 60.0,
+                         lambda s, lp: torch.exp(_shaped_inner(beta, s.unsqueeze(-1) - beta * lp)),
+                         lambda s: s.unsqueeze(-1) / beta)
+    if bool((beta < 0).all()):
+        # delta from 0 (q = p: no mass added) to -log p_1 (q_1 = 1); zero entries stay zero
+        high = (-lp[:, 0]).clamp_min(0.0)
+        return _bisected(mode, log_p, deficit, a, log_lam, torch.zeros_like(high),
+                         lambda s, lp: _top_lift(lp, beta.squeeze(-1), s),
+                         lambda s: torch.full_like(s, -math.inf).unsqueeze(-1), high)
+    # (at the lower end every entry's beta (tau - log p) is below -60: no mass added; a zero
+    # entry's q is the level c = e^tau)
+    return _bisected(mode, log_p, deficit, a, log_lam, lp.amin(-1) - 60.0 / beta.squeeze(-1),
+                     lambda s, lp: level_lift(lp, beta, s), lambda s: s.unsqueeze(-1))
+
+
+def _values(mode: str, log_p: Tensor, alpha: Tensor, s: Tensor) -> Multiplier:
+    """Step 2: every column's values at s~ (the dual's exact inner roots by Newton from the
+    shaped ones; the primal's closed forms)."""
+    beta = (alpha.to(log_p.dtype) - 1.0).unsqueeze(-1)
+    finite = torch.isfinite(log_p)
+    lp = torch.where(finite, log_p, 0.0)
+    if mode == "dual":
+        z = _shaped_inner(beta, s.unsqueeze(-1) - beta * lp)
+        return values_at(lp, finite, beta, s, _inner_steps(beta, lp, s, z, INNER_STEPS))
+    if bool((beta < 0).all()):
+        return top_values(lp, finite, beta, s)
+    return level_values(lp, finite, beta, s)
 
 
 def dual_start(log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor
                ) -> tuple[Multiplier, Tensor]:
-    """The values of the multiplier s~ of the module docstring (steps 1 and 2) for dual rows of
-    any alpha > 1, at the first columns (`_bisected`): what `predicted_sizes` predicts the first
-    probe from, and its warm start (``state``: the inner unknowns z); and the support filled
-    at s~ per row."""
-    a = alpha.to(log_p.dtype).unsqueeze(-1)
-    beta = a - 1.0
-    finite = torch.isfinite(log_p)
-    lp = torch.where(finite, log_p, 0.0)
-
-    def shaped(s: Tensor, lp: Tensor) -> Tensor:
-        return torch.exp(_shaped_inner(beta, s.unsqueeze(-1) - beta * lp))
-
-    # (at the lower end every entry's t = s - beta log p is below -60: no mass added; a zero
-    # entry's q is nu^(1/beta))
-    low = (beta * lp).amin(-1).squeeze(-1) - 60.0
-    s, columns, sizes = _bisected("dual", log_p, deficit, a, torch.log(lam).to(log_p.dtype),
-                                  low, shaped, lambda s: s.unsqueeze(-1) / beta)
-    finite, lp = finite[:, :columns], lp[:, :columns]
-    z = _shaped_inner(beta, s.unsqueeze(-1) - beta * lp)
-    return values_at(lp, finite, beta, s, _inner_steps(beta, lp, s, z, INNER_STEPS)), sizes
+    """Steps 1 and 2 for dual rows of any alpha > 1: the values of s~ at the first columns
+    (`_columns_after`), what `predicted_sizes` predicts the first probe from, and its warm
+    start (``state``: the inner unknowns z); and the support filled at s~ per row."""
+    s, sizes = _guessed("dual", log_p, deficit, alpha, lam)
+    columns = _columns_after(sizes, log_p.shape[-1])
+    return _values("dual", log_p[:, :columns], alpha, s), sizes
 
 
 def primal_start(log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor
                  ) -> tuple[Multiplier, Tensor]:
-    """The values at the first columns (`_bisected`) of the level s~ = tau of the module
-    docstring's step 1 (q_i^beta = p_i^beta + e^(beta tau), `primal.primal_multiplier`) for
-    primal rows of alpha > 1: closed forms, no step 2; and the support filled at s~ per row."""
-    a = alpha.to(log_p.dtype).unsqueeze(-1)
-    beta = a - 1.0
-    finite = torch.isfinite(log_p)
-    lp = torch.where(finite, log_p, 0.0)
-
-    def level(s: Tensor, lp: Tensor) -> Tensor:
-        return level_lift(lp, beta, s)
-
-    # (at the lower end every entry's beta (tau - log p) is below -60: no mass added; a zero
-    # entry's q is the level c = e^tau)
-    low = lp.amin(-1) - 60.0 / beta.squeeze(-1)
-    s, columns, sizes = _bisected("primal", log_p, deficit, a, torch.log(lam).to(log_p.dtype),
-                                  low, level, lambda s: s.unsqueeze(-1))
-    return level_values(lp[:, :columns], finite[:, :columns], beta, s), sizes
+    """Steps 1 and 2 for primal rows of one kind, alpha > 1 (the level tau, q_i^beta = p_i^beta
+    + e^(beta tau)) or alpha < 1 (delta = log(q_1 / p_1), `primal.top_values`): closed forms
+    at the first columns; and the support filled at s~ per row."""
+    s, sizes = _guessed("primal", log_p, deficit, alpha, lam)
+    columns = _columns_after(sizes, log_p.shape[-1])
+    return _values("primal", log_p[:, :columns], alpha, s), sizes
 
 
 class FirstProbe(NamedTuple):
-    """Where the first probe goes (``guess``, [r]), the values of a multiplier next to its
-    (``values``, the first C columns) and each size's predicted multiplier shift from it
-    (``shift``, [r, C]): the probe's warm start (`exact._warm_start`)."""
+    """Where the first probe goes (``guess``, [r]); for the rows ``predicted`` ([r] bool; the
+    others go to the floor), the values of a multiplier next to it (``values``, the first C
+    columns) and each size's predicted multiplier shift from it (``shift``): the probe's warm
+    start (`exact._warm_start`)."""
 
     guess: Tensor
-    values: Multiplier
-    shift: Tensor
+    predicted: Tensor
+    values: Multiplier | None
+    shift: Tensor | None
 
 
 def first_probe(mode: str, log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor,
                 low: Tensor) -> FirstProbe:
-    """The first probe of rows with k* >= ``low`` (alpha > 1): the module docstring's steps.
-    (Moving the dual's inner unknowns on to the multiplier predicted at the guessed size and
-    solving them there, a closer start for the probe's joint Newton, measured no faster: the
-    joint Newton saves about the passes the move costs.)"""
-    start, sizes = (dual_start if mode == "dual" else primal_start)(log_p, deficit, alpha, lam)
-    columns = start.log_q.shape[-1]
+    """The first probe of rows with k* >= ``low`` (the floor of the gaps), all of one kind
+    (`_guessed`): the module docstring's steps, where the floor is below the support filled at
+    s~ (elsewhere the probe goes to the floor; a margin of 2 % measured slower: the prediction
+    saves more than steps 2 and 3 cost, and step 1 is paid already). (Moving the dual's inner
+    unknowns on to the multiplier predicted at the guessed size and solving them there, a
+    closer start for the probe's joint Newton, measured no faster: the joint Newton saves about
+    the passes the move costs.)"""
+    s, sizes = _guessed(mode, log_p, deficit, alpha, lam)
+    far = sizes > low
+    rows = far.nonzero().squeeze(-1)
+    guess = low.clone()
+    if rows.numel() == 0:
+        return FirstProbe(guess, far, None, None)
+    sizes, low = sizes[rows], low[rows]
+    columns = _columns_after(sizes, log_p.shape[-1])
+    log_p = log_p[rows, :columns]
+    values = _values(mode, log_p, alpha[rows], s[rows])
     skip = max(0, min(int(low.min()) - 1, columns - 1))
     # (k* is expected within a few per cent of the support filled at s~)
-    guess, shift = predicted_near(mode, log_p[:, :columns], deficit, start, alpha, lam, low,
-                                  skip, sizes, NEAR_REACH + int(sizes.max()) // 16)
-    return FirstProbe(guess, start, shift)
+    guess[rows], shift = predicted_near(mode, log_p, deficit[rows], values, alpha[rows],
+                                        lam[rows], low, skip, sizes,
+                                        NEAR_REACH + int(sizes.max()) // 16)
+    return FirstProbe(guess, far, values, shift)

@@ -159,6 +159,18 @@ def _top_lift(log_p: Tensor, beta: Tensor, delta: Tensor) -> Tensor:
     return torch.where(w > -0.5, near, far) / b
 
 
+def top_values(lp: Tensor, finite: Tensor, beta: Tensor, delta: Tensor) -> Multiplier:
+    """beta < 0: every column's value at delta = log q_1 - log p_1 (``lp``: log p, 0 where
+    p = 0, whose q stays 0; ``beta``: [n, 1]): log q (`_top_log_q`), rate d log q / d delta =
+    (q_1 / q)^beta (0 for zero entries), curvature beta rate (1 - rate) and log(q / p)."""
+    lift = _top_lift(lp, beta.squeeze(-1), delta)
+    log_q = torch.where(finite, lp + lift, -math.inf)
+    rate = torch.where(finite, torch.nan_to_num(torch.exp(
+        beta * (lp[..., :1] + delta.unsqueeze(-1) - log_q))), 0.0)
+    return Multiplier(delta, log_q, rate, beta * rate * (1.0 - rate),
+                      torch.where(finite, lift, log_q))
+
+
 def _normalized(log_q: Tensor, mask: Tensor) -> Tensor:
     """Mask and remove the last rounding of the constraint (|sum q - 1| <= 1e-14)."""
     log_q = log_q.masked_fill(~mask, -math.inf)
@@ -265,9 +277,8 @@ def primal_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
         first = (-log_s[i]).clamp_min(0.0).minimum(high)
         delta = safeguarded_newton(top_equation, started(first, low, high, i), low, high)
         scalar[i] = delta
-        lift[i] = _top_lift(lp[i], b, delta)
-        log_q[i] = torch.where(positive[i], lp[i] + lift[i], -math.inf)
-        rate[i] = torch.where(positive[i], weights(delta, log_q[i]), 0.0)
+        top_level = top_values(lp[i], positive[i], bcol, delta)
+        log_q[i], rate[i], lift[i] = top_level.log_q, top_level.rate, top_level.lift
     # d^2 log q / ds^2 = beta rate (1 - rate) for both scalars (tau: rate = sigmoid(beta (tau -
     # log p)); delta: rate = (q_1 / q)^beta, d log q_1 / d delta = 1).
     lift = torch.where(positive, lift, log_q)
