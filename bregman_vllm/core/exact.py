@@ -557,10 +557,7 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
         # (past the candidates with no boundary there: the probes go from low)
         past = open_end[rows] & (first.guess >= width)
         guess[rows] = torch.where(past, low[rows], first.guess)
-        predicted[rows] = first.predicted & ~past
-        if first.values is None:
-            continue
-        rows = rows[first.predicted]
+        predicted[rows] = ~past
         columns = first.values.log_q.shape[-1]
         last_s[rows], last_shift[rows, :columns] = first.values.s, first.shift
         if last_state is not None:

@@ -288,39 +288,29 @@ def primal_start(log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor
 
 
 class FirstProbe(NamedTuple):
-    """Where the first probe goes (``guess``, [r]); for the rows ``predicted`` ([r] bool; the
-    others go to the floor), the values of a multiplier next to it (``values``, the first C
-    columns) and each size's predicted multiplier shift from it (``shift``): the probe's warm
-    start (`exact._warm_start`)."""
+    """Where the first probe goes (``guess``, [r]), the values of a multiplier next to it
+    (``values``, the first C columns) and each size's predicted multiplier shift from it
+    (``shift``, [r, C]): the probe's warm start (`exact._warm_start`)."""
 
     guess: Tensor
-    predicted: Tensor
-    values: Multiplier | None
-    shift: Tensor | None
+    values: Multiplier
+    shift: Tensor
 
 
 def first_probe(mode: str, log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor,
                 low: Tensor) -> FirstProbe:
     """The first probe of rows with k* >= ``low`` (the floor of the gaps), all of one kind
-    (`_guessed`): the module docstring's steps, where the floor is below the support filled at
-    s~ (elsewhere the probe goes to the floor; a margin of 2 % measured slower: the prediction
-    saves more than steps 2 and 3 cost, and step 1 is paid already). (Moving the dual's inner
-    unknowns on to the multiplier predicted at the guessed size and solving them there, a
-    closer start for the probe's joint Newton, measured no faster: the joint Newton saves about
-    the passes the move costs.)"""
+    (`_guessed`): the module docstring's steps. (Probing at the floor instead where it is at
+    or past the support filled at s~ measured slower: the prediction puts the probe closer, and
+    a probe there starts cold. Moving the dual's inner unknowns on to the multiplier predicted
+    at the guessed size and solving them there, a closer start for the probe's joint Newton,
+    measured no faster: the joint Newton saves about the passes the move costs.)"""
     s, sizes = _guessed(mode, log_p, deficit, alpha, lam)
-    far = sizes > low
-    rows = far.nonzero().squeeze(-1)
-    guess = low.clone()
-    if rows.numel() == 0:
-        return FirstProbe(guess, far, None, None)
-    sizes, low = sizes[rows], low[rows]
     columns = _columns_after(sizes, log_p.shape[-1])
-    log_p = log_p[rows, :columns]
-    values = _values(mode, log_p, alpha[rows], s[rows])
+    log_p = log_p[:, :columns]
+    values = _values(mode, log_p, alpha, s)
     skip = max(0, min(int(low.min()) - 1, columns - 1))
     # (k* is expected within a few per cent of the support filled at s~)
-    guess[rows], shift = predicted_near(mode, log_p, deficit[rows], values, alpha[rows],
-                                        lam[rows], low, skip, sizes,
-                                        NEAR_REACH + int(sizes.max()) // 16)
-    return FirstProbe(guess, far, values, shift)
+    guess, shift = predicted_near(mode, log_p, deficit, values, alpha, lam, low, skip, sizes,
+                                  NEAR_REACH + int(sizes.max()) // 16)
+    return FirstProbe(guess, values, shift)
