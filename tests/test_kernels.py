@@ -479,6 +479,41 @@ def test_the_step_allocates_no_scratch_when_the_batch_size_changes():
         larger.x.data_ptr()
 
 
+def test_a_steps_layout_is_read_once_per_batch_change(monkeypatch):
+    """`RowTable.layout` (what a V2 step with the kernels is specialized on, read every step):
+    the same slots and no write since give the last answer without reading the host columns
+    again; a write or other slots read them again."""
+    from bregman_vllm.core.rows import Row, RowTable
+    from bregman_vllm.params import BregmanParams
+
+    table = RowTable(8, "cpu")
+    for slot, params in enumerate([BregmanParams(alpha=1.5), BregmanParams(mode="dual", alpha=3.0),
+                                   BregmanParams(top_k=5)]):
+        table.write(slot, Row.of_request(params, 512))
+    slots = np.array([2, 0, 1], dtype=np.int32)
+    first = table.layout(slots)
+    assert first is not None and table.layout(slots.copy()) is first
+    reads = [0]
+    host = table.host
+
+    class Counted(dict):
+        def __getitem__(self, name):
+            reads[0] += 1
+            return dict.__getitem__(self, name)
+
+    monkeypatch.setattr(table, "host", Counted(host))
+    for _ in range(3):
+        assert table.layout(slots) is first
+    assert reads[0] == 0
+    alone = table.layout(np.array([2], dtype=np.int32))  # other slots: read again
+    assert reads[0] > 0 and alone is not None and not alone.sync and first.sync
+    reads[0] = 0
+    table.write(1, Row.of_request(BregmanParams(alpha=1.5), 512), temperature=0.7)
+    again = table.layout(slots)
+    assert reads[0] > 0 and again is not first and again.scaled and not first.scaled
+    assert table.layout(np.array([3, 4], dtype=np.int32)) is None  # (slots not decoded)
+
+
 def test_a_slot_past_the_processors_slots_falls_back_to_the_plan(monkeypatch, caplog):
     """A request slot past the max_num_reqs the processor was built for: decoded (by a plan,
     as V2 without the slot columns) rather than an error out of vLLM's add_request."""

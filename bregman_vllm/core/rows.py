@@ -135,6 +135,10 @@ class RowTable:
         self._dirty = self.device.type != "cpu"
         #: The temperatures are a plan's own device columns (`of_plan`): some row is scaled.
         self.scaled = False
+        # `layout`'s last answer and what it was read from (writes since, the slots): a
+        # step over the same batch reads it once per batch change, not per step.
+        self._writes = 0
+        self._layout: tuple[tuple[int, bool, bytes | None], Layout | None] | None = None
 
     def write(self, slot: int, row: Row | None, temperature: float = 1.0) -> None:
         """Set a slot on the host (None: a request that is not decoded)."""
@@ -153,6 +157,7 @@ class RowTable:
         columns["scale"][slot] = 1.0 / temperature
         columns["temperature"][slot] = temperature
         self._dirty = self.device.type != "cpu"
+        self._writes += 1
 
     def flush(self) -> None:
         """Copy the columns written since the last flush to the device."""
@@ -166,16 +171,22 @@ class RowTable:
 
     def layout(self, slots: np.ndarray | Sequence[int] | None = None) -> Layout | None:
         """What a step over the rows of ``slots`` (host values; None: every slot) is specialized
-        on, read from the host columns; None when none of them is decoded."""
-        host = self.host
+        on, read from the host columns; None when none of them is decoded. The same slots with
+        no write since: the last answer, not read again."""
         pick = slice(None) if slots is None else np.asarray(slots)
+        key = (self._writes, self.scaled, None if slots is None else pick.tobytes())
+        if self._layout is not None and self._layout[0] == key:
+            return self._layout[1]
+        host = self.host
         family = host["family"][pick]
-        if not family.any():
-            return None
-        width = int(host["width"][pick].max())
-        scaled = self.scaled or bool((host["temperature"][pick][family > 0] != 1.0).any())
-        sync = bool(host["flags"][pick].any() or host["host"][pick].any())
-        return Layout(WINDOW if width <= WINDOW else WIDE_WINDOW, sync, scaled)
+        layout = None
+        if family.any():
+            width = int(host["width"][pick].max())
+            scaled = self.scaled or bool((host["temperature"][pick][family > 0] != 1.0).any())
+            sync = bool(host["flags"][pick].any() or host["host"][pick].any())
+            layout = Layout(WINDOW if width <= WINDOW else WIDE_WINDOW, sync, scaled)
+        self._layout = (key, layout)
+        return layout
 
     @classmethod
     def of_plan(cls, plan: Plan, device: torch.device) -> RowTable:
