@@ -97,8 +97,11 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     require_tiny_model()
     logs = tmp_path_factory.mktemp("server-logs")
     api_key = secrets.token_hex(8)
-    server = ServerProcess(["--model", MODEL, "--api-key", api_key, *ENGINE_ARGS],
-                           logs / "server.log")
+    # (a head deadline past the stalls of a loaded 2-core machine, where a request once took
+    # 26 s: these tests are about fields and routes; the deadline's own tests have their own
+    # servers, tests/test_reliability.py and tests/test_server_units.py)
+    server = ServerProcess(["--model", MODEL, "--api-key", api_key, "--header-timeout", "60",
+                            *ENGINE_ARGS], logs / "server.log")
     env = server_environment()
     env.update(BREGMAN_DEFAULT_MODE="primal", BREGMAN_DEFAULT_TOP_K="3", VLLM_API_KEY=api_key)
     plain = ServerProcess(["--model", MODEL, "--middleware",
