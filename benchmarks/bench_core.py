@@ -436,7 +436,8 @@ def extremes_table(args, device: str) -> None:
     rows, beside the default configuration on the same rows: the cost multiple (x default: time;
     work x: counted elements, ops x: counted launched ops, both over the default call's) and
     whether the output is a distribution (no NaN, no inf). With ``--baseline``, the same call on
-    the old core, alternating with the new one, and its counted multiples."""
+    the old core, alternating with the new one, its counted multiples, and whether the two
+    outputs are bit-identical ("differs" where not; the count of both after each table)."""
     from bregman_vllm import BregmanParamError
 
     batch, vocab = (int(x) for x in args.extremes_shape.lower().split("x"))
@@ -467,11 +468,13 @@ def extremes_table(args, device: str) -> None:
         worst, worst_work = ("", 0.0), ("", 0.0)
         worst_sort, worst_old_sort = ("", 0.0), ("", 0.0)
         defaults: list[float] = []
+        compared = [0, 0]  # cases compared with the old core's output, those that differ
         sort_call = lambda logits=logits: torch.sort(logits, -1, descending=True)  # noqa: E731
         for name, kwargs in {**EXTREMES, **REFUSED}.items():
             call = lambda kwargs=kwargs, logits=logits: bregman_decode_logits(  # noqa: E731
                 logits, **kwargs)
             calls, line = [default_call, sort_call], f"{name:<36}"
+            out = None
             try:
                 out = call()
                 finite = bool(torch.isfinite(torch.logsumexp(out.double(), -1)).all()) \
@@ -482,7 +485,13 @@ def extremes_table(args, device: str) -> None:
             old_note, old_counts = "", ""
             if old is not None:
                 try:
-                    nan = " NaN" if bool(torch.isnan(old(logits, **kwargs)).any()) else ""
+                    old_out = old(logits, **kwargs)
+                    nan = " NaN" if bool(torch.isnan(old_out).any()) else ""
+                    if out is not None:  # (the same output as the old core's, bit for bit)
+                        compared[0] += 1
+                        if not torch.equal(out, old_out):
+                            compared[1] += 1
+                            nan += " differs"
                     old_call = lambda kwargs=kwargs, logits=logits: old(  # noqa: E731
                         logits, **kwargs)
                     calls.append(old_call)
@@ -517,6 +526,9 @@ def extremes_table(args, device: str) -> None:
               f"{base_work[0] / 1e6:.2f} M elements, {base_work[1]} ops; worst time multiple "
               f"{worst[1]:.0f}x ({worst[0]}); worst counted multiple {worst_work[1]:.1f}x "
               f"({worst_work[0]}); bound M = {WORK_BOUND:.0f}x")
+        if old is not None:
+            print(f"outputs bit-identical to the old core's: {compared[0] - compared[1]} of "
+                  f"{compared[0]} cases")
         print(f"worst multiple of a sort of the same rows: {worst_sort[1]:.2f}x ({worst_sort[0]})"
               + (f"; old core {worst_old_sort[1]:.2f}x ({worst_old_sort[0]})" if old else ""))
 

@@ -8,6 +8,7 @@ current core (which would print new/old ratios of 1 and hide a regression), fail
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -82,6 +83,10 @@ def test_extreme_parameter_table_runs_and_every_case_decodes_to_a_distribution()
             assert float(elements) <= bench_core.WORK_BOUND, row
             assert float(launches) <= bench_core.WORK_BOUND, row
     assert "bound M = " in done.stdout
+    # (HEAD's core is this one: every output the same, bit for bit, in both tables)
+    same = re.findall(r"outputs bit-identical to the old core's: (\d+) of (\d+) cases",
+                      done.stdout)
+    assert len(same) == 2 and all(a == b and int(b) > 0 for a, b in same), same
     for name in bench_core.REFUSED:
         rows = [line for line in lines if line[:36].rstrip() == name]
         assert len(rows) == 2 and all("refused (400)" in row for row in rows), rows

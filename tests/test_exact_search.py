@@ -323,7 +323,7 @@ def test_one_dual_solve_decides_k_star_next_to_it(monkeypatch):
     ("dual", 2.5, 1e-12, 0.3), ("primal", 20.0, 1e-240, 5.0), ("primal", 3.0, 1e-12, 0.3),
     ("primal", 1.2, 4e-6, 0.3), ("primal", 0.3, 0.17, 0.3)])
 def test_the_first_probe_goes_where_k_star_is_predicted(mode, alpha, lam, spread, monkeypatch):
-    """`predict.dual_start` / `predict.primal_start`: the multiplier at which the support it
+    """`predict.start_values`: the multiplier at which the support it
     fills has its next term at lambda, found without a map, predicts k* within the series'
     reach; the search then takes fewer probes, or (dual) as many with fewer passes over the
     columns (inner-root evaluations, each a pass over [n, C]), than from the floor of the gaps
@@ -348,8 +348,7 @@ def test_the_first_probe_goes_where_k_star_is_predicted(mode, alpha, lam, spread
     predicted, predicted_passes = counts["probes"], passes[0]
     cand = candidates(logits, 16384, logits=True)
     a, lm = torch.full((2,), alpha, dtype=F64), torch.full((2,), lam, dtype=F64)
-    start, _ = (predict.dual_start if mode == "dual" else predict.primal_start)(
-        cand.log_x, cand.deficit, a, lm)
+    start, _ = predict.start_values(mode, cand.log_x, cand.deficit, a, lm)
     columns = start.log_q.shape[-1]  # (twice the support it filled, and some)
     guess, _ = predict.predicted_sizes(mode, cand.log_x[:, :columns], cand.deficit, start, a,
                                        lm, torch.full((2,), 256), 255)
@@ -376,8 +375,7 @@ def test_a_prediction_next_to_the_expected_size_values_only_the_columns_there(
     logits = torch.randn(2, 16384, generator=g) * 0.3
     cand = candidates(logits, 16384, logits=True)
     a, lm = torch.full((2,), alpha, dtype=F64), torch.full((2,), lam, dtype=F64)
-    start, filled = (predict.dual_start if mode == "dual" else predict.primal_start)(
-        cand.log_x, cand.deficit, a, lm)
+    start, filled = predict.start_values(mode, cand.log_x, cand.deficit, a, lm)
     log_p = cand.log_x[:, :start.log_q.shape[-1]]  # (twice the support it filled, and some)
     assert (filled > 4 * predict.NEAR_REACH).all(), filled
     valued = [0]

@@ -74,7 +74,7 @@ def moved_state(state: Tensor, drift: Tensor, shift: Tensor) -> Tensor:
 def predicted_sizes(mode: str, log_p: Tensor, deficit: Tensor, values: Multiplier,
                     alpha: Tensor, lam: Tensor, m: Tensor, skip: int) -> tuple[Tensor, Tensor]:
     """The sizes k* is predicted at from the values ``values`` of a multiplier s at every
-    column (a probe's solve, or `dual_start`), and each size's predicted multiplier shift.
+    column (a probe's solve, or `start_values`), and each size's predicted multiplier shift.
 
     For support size j (column j - 1), the mass the map adds to the first j entries,
     A_j(s) = sum_(i<=j) (q_i - p_i), must reach R_j: Halley's step on log A_j(s) - log R_j from
@@ -267,24 +267,14 @@ def _values(mode: str, log_p: Tensor, alpha: Tensor, s: Tensor) -> Multiplier:
     return level_values(lp, finite, beta, s)
 
 
-def dual_start(log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor
-               ) -> tuple[Multiplier, Tensor]:
-    """Steps 1 and 2 for dual rows of any alpha > 1: the values of s~ at the first columns
-    (`_columns_after`), what `predicted_sizes` predicts the first probe from, and its warm
-    start (``state``: the inner unknowns z); and the support filled at s~ per row."""
-    s, sizes = _guessed("dual", log_p, deficit, alpha, lam)
-    columns = _columns_after(sizes, log_p.shape[-1])
-    return _values("dual", log_p[:, :columns], alpha, s), sizes
-
-
-def primal_start(log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor
+def start_values(mode: str, log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tensor
                  ) -> tuple[Multiplier, Tensor]:
-    """Steps 1 and 2 for primal rows of one kind, alpha > 1 (the level tau, q_i^beta = p_i^beta
-    + e^(beta tau)) or alpha < 1 (delta = log(q_1 / p_1), `primal.top_values`): closed forms
-    at the first columns; and the support filled at s~ per row."""
-    s, sizes = _guessed("primal", log_p, deficit, alpha, lam)
+    """Steps 1 and 2 for rows of one kind (`_guessed`): the values of s~ at the first columns
+    (`_columns_after`), what `predicted_sizes` predicts the first probe from and its warm start
+    (the dual's ``state``: the inner unknowns z); and the support filled at s~ per row."""
+    s, sizes = _guessed(mode, log_p, deficit, alpha, lam)
     columns = _columns_after(sizes, log_p.shape[-1])
-    return _values("primal", log_p[:, :columns], alpha, s), sizes
+    return _values(mode, log_p[:, :columns], alpha, s), sizes
 
 
 class FirstProbe(NamedTuple):
@@ -305,12 +295,10 @@ def first_probe(mode: str, log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: T
     a probe there starts cold. Moving the dual's inner unknowns on to the multiplier predicted
     at the guessed size and solving them there, a closer start for the probe's joint Newton,
     measured no faster: the joint Newton saves about the passes the move costs.)"""
-    s, sizes = _guessed(mode, log_p, deficit, alpha, lam)
-    columns = _columns_after(sizes, log_p.shape[-1])
-    log_p = log_p[:, :columns]
-    values = _values(mode, log_p, alpha, s)
+    values, sizes = start_values(mode, log_p, deficit, alpha, lam)
+    columns = values.log_q.shape[-1]
     skip = max(0, min(int(low.min()) - 1, columns - 1))
     # (k* is expected within a few per cent of the support filled at s~)
-    guess, shift = predicted_near(mode, log_p, deficit, values, alpha, lam, low, skip, sizes,
-                                  NEAR_REACH + int(sizes.max()) // 16)
+    guess, shift = predicted_near(mode, log_p[:, :columns], deficit, values, alpha, lam, low,
+                                  skip, sizes, NEAR_REACH + int(sizes.max()) // 16)
     return FirstProbe(guess, values, shift)
