@@ -438,9 +438,8 @@ def _probe(family: Family | None, mode: str, cand: Candidates, m: Tensor, alpha:
             else torch.full_like(m, width)
         if rows.numel() == m.numel():
             return series_bounds(mode, log_p, solved, m, alpha, lam, log_deficit, exact_columns)
-        found = series_bounds(mode, log_p[rows], Multiplier(*(
-            None if t is None else t[rows] for t in solved)), m[rows], alpha[rows], lam[rows],
-            log_deficit[rows], exact_columns[rows])
+        found = series_bounds(mode, log_p[rows], solved.take(rows), m[rows], alpha[rows],
+                              lam[rows], log_deficit[rows], exact_columns[rows])
         every = SeriesBounds(torch.zeros_like(m), torch.full_like(m, torch.iinfo(m.dtype).max),
                              *(torch.full((m.numel(), t.shape[-1]), math.nan, dtype=t.dtype,
                                           device=t.device) for t in found[2:]))
@@ -480,7 +479,7 @@ def _probe(family: Family | None, mode: str, cand: Candidates, m: Tensor, alpha:
     if rows.numel():
         guess[rows], shift[rows] = predicted_near(
             mode, log_p[rows], cand.deficit[rows],
-            Multiplier(*(None if t is None else t[rows] for t in solved)), alpha[rows],
+            solved.take(rows), alpha[rows],
             lam[rows], m[rows], skip, m[rows])
     return _Probe(normalized, solved.lift, below, at, guess, solved.s, shift, solved.state,
                   state_drift(solved), found)

@@ -93,8 +93,13 @@ def predicted_sizes(mode: str, log_p: Tensor, deficit: Tensor, values: Multiplie
         mode, log_p[:, skip:], values.log_q[:, skip:], values.rate[:, skip:],
         values.curvature[:, skip:], deficit[:, skip:width], sums, values.s, alpha, lam, m,
         torch.arange(skip, width, device=m.device), width)
-    guess = torch.where(torch.isneginf(values.s), m, stops.clamp_min(1))  # its size - 1
-    return guess, torch.nn.functional.pad(shift, (skip, 0), value=math.nan)
+    return _guess(values.s, m, stops), torch.nn.functional.pad(shift, (skip, 0), value=math.nan)
+
+
+def _guess(s: Tensor, m: Tensor, stops: Tensor) -> Tensor:
+    """The size predicted from the first column predicted to stop (its size - 1; ``m`` where
+    s is -inf: the identity map, nothing predicted)."""
+    return torch.where(torch.isneginf(s), m, stops.clamp_min(1))
 
 
 def _terms(log_p: Tensor, values: Multiplier) -> Tensor:
@@ -139,11 +144,6 @@ def _predicted_at(mode: str, log_p: Tensor, log_q: Tensor, rate: Tensor, curvatu
 NEAR_REACH = 256
 
 
-def _columns(values: Multiplier, rows: Tensor | slice, end: int) -> Multiplier:
-    """``values`` of ``rows``, at the first ``end`` columns."""
-    return Multiplier(values.s[rows], *(None if t is None else t[rows, :end] for t in values[1:]))
-
-
 def predicted_near(mode: str, log_p: Tensor, deficit: Tensor, values: Multiplier,
                    alpha: Tensor, lam: Tensor, m: Tensor, skip: int, expected: Tensor,
                    reach: int = NEAR_REACH) -> tuple[Tensor, Tensor]:
@@ -161,7 +161,7 @@ def predicted_near(mode: str, log_p: Tensor, deficit: Tensor, values: Multiplier
     first = (expected - reach).clamp(skip, width - span)
     column = first.unsqueeze(-1) + torch.arange(span, device=m.device)  # [n, span]
     end = int(first.max()) + span
-    terms = _terms(log_p[:, :end], _columns(values, slice(None), end))
+    terms = _terms(log_p[:, :end], values.take(slice(None), end))
     sums = torch.cumsum(terms[..., skip:], -1) + terms[..., :skip].sum(-1, keepdim=True)
     sums = sums.gather(-1, (column - skip).expand(3, n, span))
 
@@ -171,7 +171,7 @@ def predicted_near(mode: str, log_p: Tensor, deficit: Tensor, values: Multiplier
     stops, near = _predicted_at(mode, at(log_p), at(values.log_q), at(values.rate),
                                 at(values.curvature), at(deficit), sums, values.s, alpha, lam,
                                 m, column, width)
-    guess = torch.where(torch.isneginf(values.s), m, stops.clamp_min(1))
+    guess = _guess(values.s, m, stops)
     shift = torch.full_like(log_p, math.nan).scatter_(1, column, near)
     missed = (((stops <= first) & (first > skip)) | ((stops >= first + span)
                                                      & (first + span < width))) \
@@ -179,7 +179,7 @@ def predicted_near(mode: str, log_p: Tensor, deficit: Tensor, values: Multiplier
     if bool(missed.any()):
         rows = missed.nonzero().squeeze(-1)
         guess[rows], shift[rows] = predicted_sizes(
-            mode, log_p[rows], deficit[rows], _columns(values, rows, width), alpha[rows],
+            mode, log_p[rows], deficit[rows], values.take(rows, width), alpha[rows],
             lam[rows], m[rows], skip)
     return guess, shift
 

@@ -84,3 +84,9 @@ class Multiplier(NamedTuple):
     curvature: Tensor  # [n, C] d^2 log q_j / d s^2
     lift: Tensor  # [n, C] log(q_j / p_j) >= 0, exact where tiny (p_j = 0: log q_j)
     state: Tensor | None = None
+
+    def take(self, rows: Tensor | slice, columns: int | None = None) -> Multiplier:
+        """The same values for ``rows`` only (and the first ``columns`` columns)."""
+        cut = slice(None) if columns is None else slice(None, columns)
+        return Multiplier(self.s[rows], *(None if t is None else t[rows, cut]
+                                          for t in self[1:]))
