@@ -414,10 +414,10 @@ def _side_by_side(calls: list[Callable[[], object]], device: str, repeats: int
 WORK_BOUND = 300.0
 
 
-def work(call: Callable[[], object]) -> tuple[int, int]:
+def work(call: Callable[[], object]) -> tuple[int, int, int]:
     """The counted work of one call (`bregman_vllm.diagnostics.DispatchCounter`, eager path):
-    elements (each launched op counted as the element count of its largest tensor) and launched
-    ops. Load-independent, unlike the times beside it."""
+    elements (each launched op counted as the element count of its largest tensor), launched
+    ops and host syncs. Load-independent, unlike the times beside it."""
     previous = os.environ.get("BREGMAN_BACKEND")
     os.environ["BREGMAN_BACKEND"] = "torch"
     try:
@@ -428,7 +428,7 @@ def work(call: Callable[[], object]) -> tuple[int, int]:
             os.environ.pop("BREGMAN_BACKEND", None)
         else:
             os.environ["BREGMAN_BACKEND"] = previous
-    return counter.elements, counter.launches
+    return counter.elements, counter.launches, counter.syncs
 
 
 def extremes_table(args, device: str) -> None:
@@ -451,11 +451,11 @@ def extremes_table(args, device: str) -> None:
         print(f"\nextremes at [{batch}, {vocab}], {kind} rows (median ms, calls alternating "
               f"after a warm-up call; x default: over the default configuration on the same rows, "
               f"the median of its calls in this table so far; work x / ops x: counted elements / "
-              f"launched ops over the default call's, eager)")
+              f"launched ops over the default call's, eager; syncs: host syncs of one call)")
         print(f"{'case':<36} {'ms':>10} {'x default':>10} {'work x':>7} {'ops x':>6} "
-              f"{'finite':>6} {'x sort':>7}"
+              f"{'finite':>6} {'x sort':>7} {'syncs':>5}"
               + (f" {'old ms':>10} {'new/old':>8} {'old work x':>10} {'old ops x':>9} "
-                 f"{'old x sort':>10}" if old else ""))
+                 f"{'old x sort':>10} {'old syncs':>9}" if old else ""))
         default_kwargs = EXTREMES["default primal a=1.5 lam=1e-2"]
         default_call = lambda logits=logits: bregman_decode_logits(  # noqa: E731
             logits, **EXTREMES["default primal a=1.5 lam=1e-2"])
@@ -481,8 +481,8 @@ def extremes_table(args, device: str) -> None:
                     and not bool(out.isnan().any()) and not bool(out.isposinf().any())
                 calls.append(call)
             except BregmanParamError:
-                line += f" {'refused (400)':>21} {'':>7} {'':>6} {'':>6} {'':>7}"
-            old_note, old_counts = "", ""
+                line += f" {'refused (400)':>21} {'':>7} {'':>6} {'':>6} {'':>7} {'':>5}"
+            old_note, old_counts, old_syncs = "", "", 0
             if old is not None:
                 try:
                     old_out = old(logits, **kwargs)
@@ -495,7 +495,7 @@ def extremes_table(args, device: str) -> None:
                     old_call = lambda kwargs=kwargs, logits=logits: old(  # noqa: E731
                         logits, **kwargs)
                     calls.append(old_call)
-                    elements, launches = work(old_call)
+                    elements, launches, old_syncs = work(old_call)
                     old_counts = f" {elements / old_base[0]:10.1f} {launches / old_base[1]:9.1f}"
                 except Exception as error:  # the old core's own refusal
                     old_note = f" {type(error).__name__:>10}"
@@ -505,10 +505,11 @@ def extremes_table(args, device: str) -> None:
             sort = seconds[1]
             new = seconds[2] if len(calls) > 2 and calls[2] is call else None
             if new is not None:
-                elements, launches = work(call)
+                elements, launches, syncs = work(call)
                 multiple = (elements / base_work[0], launches / base_work[1])
                 line += f" {new * 1e3:10.2f} {new / default:10.1f} {multiple[0]:7.1f} " \
-                        f"{multiple[1]:6.1f} {'yes' if finite else 'NO':>6} {new / sort:7.2f}"
+                        f"{multiple[1]:6.1f} {'yes' if finite else 'NO':>6} {new / sort:7.2f} " \
+                        f"{syncs:5d}"
                 if new / default > worst[1]:
                     worst = (name, new / default)
                 if max(multiple) > worst_work[1]:
@@ -518,7 +519,7 @@ def extremes_table(args, device: str) -> None:
             if old is not None and not old_note:
                 ratio = f"{new / seconds[-1]:8.2f}" if new is not None else f"{'':>8}"
                 old_note = f" {seconds[-1] * 1e3:10.1f} {ratio}{nan}{old_counts} " \
-                           f"{seconds[-1] / sort:10.2f}"
+                           f"{seconds[-1] / sort:10.2f} {old_syncs:9d}"
                 if seconds[-1] / sort > worst_old_sort[1]:
                     worst_old_sort = (name, seconds[-1] / sort)
             print(line + old_note, flush=True)
@@ -587,7 +588,7 @@ def sweep_table(args, device: str) -> None:
                     if bool(out.isnan().any()) or not bool(
                             torch.isfinite(torch.logsumexp(out.double(), -1)).all()):
                         raise AssertionError(f"not a distribution: {mode} {alpha} {lam}")
-                    elements, launches = work(call)
+                    elements, launches, _ = work(call)
                     k = int((out > -math.inf).sum(-1).float().median())
                     rows.append((max(elements / base[0], launches / base[1]), lam,
                                  elements / base[0], launches / base[1], k))

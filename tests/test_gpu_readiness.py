@@ -548,6 +548,33 @@ def test_failures_reach_the_prometheus_counter(monkeypatch):
 # ----------------------------------------------------------------------------- memory
 
 
+#: Launched ops and host syncs of the exact path's worst cases at [4, 8192] (one call, eager),
+#: at most: the GPU's launches counted on the CPU, a regression guard. Measured 2026-11-27
+#: (launches, syncs): the attack 3861, 208 (4432 before the first probe's bisection took two
+#: steps at a time and the series' moments became one matrix product); dual a=20 4274, 203
+#: (4873); primal a=3 2992, 170 (3492).
+EXACT_PATH_COUNTS = {
+    "attack: realistic dual a=10 lam=1e-100": ((3.0, 7.0), dict(alpha=10.0, lam=1e-100,
+                                                                mode="dual"), 3950, 215),
+    "realistic dual a=20 lam=1e-240": ((3.0, 7.0), dict(alpha=20.0, lam=1e-240, mode="dual"),
+                                       4400, 210),
+    "flat primal a=3 lam=1e-12": ((0.3, 0.3), dict(alpha=3.0, lam=1e-12), 3100, 175),
+}
+
+
+@pytest.mark.parametrize("name", list(EXACT_PATH_COUNTS))
+def test_the_exact_paths_launches_and_syncs_stay_within_their_counts(name):
+    scale, kwargs, launches, syncs = EXACT_PATH_COUNTS[name]
+    logits = realistic_logits(4, 8192, seed=0, scale=scale)
+    bregman_decode_logits(logits, **kwargs)  # (cached constants, as in a serving engine)
+    with DispatchCounter() as counter:
+        out, k = bregman_decode_logits(logits, **kwargs, return_k=True)
+    assert (k > step_module.WINDOW).all(), k  # every row went through the exact path
+    assert torch.isfinite(torch.logsumexp(out.double(), -1)).all()
+    assert counter.launches <= launches, counter.launch_ops.most_common(8)
+    assert counter.syncs <= syncs, counter.sync_ops.most_common(8)
+
+
 @pytest.mark.parametrize(("kind", "kwargs"), [
     ("peaked", dict(alpha=3.0, lam=1e-2)),
     ("flat", dict(alpha=1.5, lam=1e-9)),  # k* = V: the exact path over whole rows

@@ -300,7 +300,7 @@ def _joint_newton(lp: Tensor, finite: Tensor, mask: Tensor, beta: Tensor, log_de
             ready &= inner <= INNER_FLOOR
             close &= ~ready & (inner <= LAST_STEP)
         proposal = s + ds
-        within = (proposal > low) & (proposal < high) & torch.isfinite(proposal)
+        within = (proposal > low) & (proposal < high)  # (False for NaN and +-inf too)
         # (a step out of the bracket goes halfway to the end it would have crossed)
         s_new = torch.where(within, proposal, 0.5 * (s + torch.where(ds > 0, high, low)))
         step = (residual + (s_new - s).unsqueeze(-1)) / slope

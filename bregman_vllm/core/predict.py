@@ -184,36 +184,54 @@ def predicted_near(mode: str, log_p: Tensor, deficit: Tensor, values: Multiplier
     return guess, shift
 
 
-def _bisected(mode: str, log_p: Tensor, deficit: Tensor, alpha: Tensor, log_lam: Tensor,
-              low: Tensor, lift, zero, high: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def _bisected(mode: str, log_p: Tensor, deficit: Tensor, alpha: Tensor, beta: Tensor,
+              log_lam: Tensor, low: Tensor, lift, zero, high: Tensor | None = None
+              ) -> tuple[Tensor, Tensor]:
     """Step 1 of the module docstring: the multiplier s~ per row in [low, high] (default 0), by
-    bisection on about `SAMPLED_COLUMNS` evenly spaced columns; at s, ``lift(s, lp)`` gives
-    log(q / p) of the positive entries (``lp``: log p, 0 where p = 0) and ``zero(s)`` log q of
-    the zero ones ([n, 1]). Also the support filled at s~ per row (to the sampling's stride,
-    `_stride`)."""
+    bisection on about `SAMPLED_COLUMNS` evenly spaced columns; at s, ``lift(s, lp, beta)``
+    gives log(q / p) of the positive entries (``lp``: log p, 0 where p = 0) and
+    ``zero(s, beta)`` log q of the zero ones ([n, 1]). Also the support filled at s~ per row
+    (to the sampling's stride, `_stride`).
+
+    Two bisection steps at a time: the midpoint and both quarter points are tested together
+    (the rows stacked three times), the same points and brackets as one step at a time in half
+    the launched ops."""
     stride = _stride(log_p.shape[-1])
     lp = log_p[:, ::stride]
-    r = deficit[:, ::stride]
     finite = torch.isfinite(lp)
     p = torch.exp(lp)
     lp = torch.where(finite, lp, 0.0)
     samples = lp.shape[-1]
+    n = lp.shape[0]
+    lp, finite, p, r, beta, alpha = (t.repeat(3, 1) for t in (
+        lp, finite, p, deficit[:, ::stride], beta, alpha))
+    log_lam = log_lam.repeat(3)
     if high is None:
         high = torch.zeros_like(low)  # nu < 1 (Theorem A.1), c < 1 (eq. (4))
-    for _ in range(SEARCH_STEPS):
-        s = 0.5 * (low + high)
-        rise, level = lift(s, lp), zero(s)
+    for _ in range(SEARCH_STEPS // 2):  # (SEARCH_STEPS is even)
+        mid = 0.5 * (low + high)
+        points = torch.stack([0.5 * (low + mid), mid, 0.5 * (mid + high)])  # [3, n]
+        s = points.reshape(-1)
+        rise, level = lift(s, lp, beta), zero(s, beta)
         log_q = torch.where(finite, lp + rise, level)
         added = torch.where(finite, p * torch.expm1(rise), torch.exp(level))  # q - p
-        filled = (torch.cumsum(added, -1) * stride <= r).sum(-1, keepdim=True)
-        at = filled.clamp_max(samples - 1)  # the sampled column after the filled support
+        filled = (torch.cumsum(added, -1) * stride <= r).sum(-1)
+        at = filled.clamp_max(samples - 1).unsqueeze(-1)  # the sampled column after it
         w = log_entry_term(mode, torch.where(finite, lp, -math.inf).gather(1, at),
                            log_q.gather(1, at), alpha).squeeze(-1)
         # (a support past the sampled columns: s is too small)
-        big = (w > log_lam) & (filled.squeeze(-1) < samples)
-        high = torch.where(big, s, high)
-        low = torch.where(big, low, s)
-    return 0.5 * (low + high), filled.squeeze(-1) * stride
+        big = ((w > log_lam) & (filled < samples)).view(3, n)
+        filled = filled.view(3, n)
+        # the step at the midpoint, then the one at the quarter point inside its half
+        high = torch.where(big[1], mid, high)
+        low = torch.where(big[1], low, mid)
+        side = torch.where(big[1], 0, 2)
+        point = points.gather(0, side.unsqueeze(0)).squeeze(0)
+        second = big.gather(0, side.unsqueeze(0)).squeeze(0)
+        high = torch.where(second, point, high)
+        low = torch.where(second, low, point)
+        last = filled.gather(0, side.unsqueeze(0)).squeeze(0)
+    return 0.5 * (low + high), last * stride
 
 
 def _stride(width: int) -> int:
@@ -237,20 +255,21 @@ def _guessed(mode: str, log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tens
     if mode == "dual":
         # (at the lower end every entry's t = s - beta log p is below -60: no mass added; a
         # zero entry's q is nu^(1/beta))
-        return _bisected(mode, log_p, deficit, a, log_lam,
+        return _bisected(mode, log_p, deficit, a, beta, log_lam,
                          (beta * lp).amin(-1).squeeze(-1) - 60.0,
-                         lambda s, lp: torch.exp(_shaped_inner(beta, s.unsqueeze(-1) - beta * lp)),
-                         lambda s: s.unsqueeze(-1) / beta)
+                         lambda s, lp, b: torch.exp(_shaped_inner(b, s.unsqueeze(-1) - b * lp)),
+                         lambda s, b: s.unsqueeze(-1) / b)
     if bool((beta < 0).all()):
         # delta from 0 (q = p: no mass added) to -log p_1 (q_1 = 1); zero entries stay zero
         high = (-lp[:, 0]).clamp_min(0.0)
-        return _bisected(mode, log_p, deficit, a, log_lam, torch.zeros_like(high),
-                         lambda s, lp: _top_lift(lp, beta.squeeze(-1), s),
-                         lambda s: torch.full_like(s, -math.inf).unsqueeze(-1), high)
+        return _bisected(mode, log_p, deficit, a, beta, log_lam, torch.zeros_like(high),
+                         lambda s, lp, b: _top_lift(lp, b.squeeze(-1), s),
+                         lambda s, b: torch.full_like(s, -math.inf).unsqueeze(-1), high)
     # (at the lower end every entry's beta (tau - log p) is below -60: no mass added; a zero
     # entry's q is the level c = e^tau)
-    return _bisected(mode, log_p, deficit, a, log_lam, lp.amin(-1) - 60.0 / beta.squeeze(-1),
-                     lambda s, lp: level_lift(lp, beta, s), lambda s: s.unsqueeze(-1))
+    return _bisected(mode, log_p, deficit, a, beta, log_lam,
+                     lp.amin(-1) - 60.0 / beta.squeeze(-1),
+                     lambda s, lp, b: level_lift(lp, b, s), lambda s, b: s.unsqueeze(-1))
 
 
 def _values(mode: str, log_p: Tensor, alpha: Tensor, s: Tensor) -> Multiplier:

@@ -28,9 +28,9 @@ def converged(value: Tensor, previous: Tensor, step: Tensor, x: Tensor,
     """The residual is at the rounding floor, the step is below float64 resolution, or the
     residual stopped halving once within a few ulps of the tolerance (stagnation at the floor,
     where rounding rather than the iteration decides it)."""
-    floor = 4.0 * tolerance
-    return ((value.abs() <= tolerance) | (step.abs() <= 2e-16 * (1.0 + x.abs()))
-            | ((value.abs() <= floor) & (value.abs() >= 0.5 * previous.abs())))
+    size = value.abs()
+    return ((size <= tolerance) | (step.abs() <= 2e-16 * (1.0 + x.abs()))
+            | ((size <= 4.0 * tolerance) & (size >= 0.5 * previous.abs())))
 
 
 Evaluation = tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]
@@ -59,7 +59,7 @@ def safeguarded_newton(evaluate: Callable[[Tensor], Evaluation], x: Tensor, low:
         low = torch.where(value < 0, x, low)
         high = torch.where(value > 0, x, high)
         proposal = x - step
-        inside = (proposal > low) & (proposal < high) & torch.isfinite(proposal)
+        inside = (proposal > low) & (proposal < high)  # (False for NaN and +-inf too)
         updated = torch.where(done, x, torch.where(inside, proposal, 0.5 * (low + high)))
         if moved is not None:
             moved(x, updated)

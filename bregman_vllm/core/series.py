@@ -110,16 +110,32 @@ def _mass_terms(log_q: Tensor, first: Tensor, second: Tensor, third: Tensor) -> 
 
 def _moments(delta: Tensor, rate: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """integral from 0 to delta of u^n e^(-rate u) du, n = 1, 2, 3, by their series (no
-    cancellation for small delta; |rate delta| <= `_MOMENT_REACH`)."""
-    out = []
-    for n in (1, 2, 3):
-        total = torch.zeros_like(delta)
-        factorial = 1.0
-        for k in range(_MOMENT_TERMS):
-            factorial *= max(k, 1)
-            total = total + (-rate) ** k * delta ** (n + k + 1) / (factorial * (n + k + 1))
-        out.append(total)
-    return out[0], out[1], out[2]
+    cancellation for small delta; |rate delta| <= `_MOMENT_REACH`):
+
+        delta^(n+1) sum_(k < `_MOMENT_TERMS`) (-rate delta)^k / (k! (n + k + 1)),
+
+    every term of every n at once (a few ops, not one per term: the exact path's launches)."""
+    terms, coefficients, exponents = _moment_constants(delta.dtype, delta.device)
+    powers = torch.pow((-rate * delta).unsqueeze(-1), terms)  # [..., K]
+    sums = torch.matmul(powers, coefficients)  # [..., 3]
+    out = sums * torch.pow(delta.unsqueeze(-1), exponents)
+    return out[..., 0], out[..., 1], out[..., 2]
+
+
+_MOMENTS: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor, Tensor]] = {}
+
+
+def _moment_constants(dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """The powers k = 0 .. K-1, the coefficients 1 / (k! (n + k + 1)) with their signs folded
+    into the powers ([K, 3]) and the exponents n + 1 ([3]) of `_moments`, made once."""
+    key = (dtype, device)
+    if key not in _MOMENTS:
+        coefficients = [[1.0 / (math.factorial(k) * (n + k + 1)) for n in (1, 2, 3)]
+                        for k in range(_MOMENT_TERMS)]
+        _MOMENTS[key] = (torch.arange(_MOMENT_TERMS, dtype=dtype, device=device),
+                         torch.tensor(coefficients, dtype=dtype, device=device),
+                         torch.tensor([2.0, 3.0, 4.0], dtype=dtype, device=device))
+    return _MOMENTS[key]
 
 
 def series_bounds(mode: str, log_p: Tensor, solved: Multiplier, m: Tensor, alpha: Tensor,
