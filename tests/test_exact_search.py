@@ -417,8 +417,35 @@ def test_the_bisection_two_steps_at_a_time_is_the_one_step_bisection(mode, alpha
     with DispatchCounter() as single:
         s_single, filled_single = one_step_at_a_time()
     assert torch.equal(s, s_single) and torch.equal(filled, filled_single), (s, s_single)
+    # (one row alone: the same as in the batch)
+    alone = predict._guessed(mode, cand.log_x[:1], cand.deficit[:1], a[:1], lm[:1])
+    assert torch.equal(alone[0], s[:1]) and torch.equal(alone[1], filled[:1]), alone
     assert len(set(filled.tolist())) == 3, filled  # (three lambdas, three supports)
     assert paired.launches < 0.8 * single.launches, (paired.launches, single.launches)
+
+
+def test_a_bracket_closed_at_a_held_map_is_not_solved_again(monkeypatch):
+    """A probe at m leaves k* >= m + 1 (its series reaches no size above it), the next probe
+    at m + 1 finds G(m + 1) <= lambda: the bracket closes at the map that probe holds, T_k*,
+    which is the output (no solve of T_k* from cold after the search: measured 6 joint Newton
+    passes over the row). A row of the attack (dual alpha 10, lambda 1e-100) at [1, 49152]."""
+    g = torch.Generator().manual_seed(0)
+    scale = 3.0 + 4.0 * torch.rand(8, 1, generator=g)
+    logits = (torch.randn(8, 49152, generator=g) * scale)[2:3]
+    solves: list[list[int]] = []
+    renorm = exact._renorm_at
+
+    def counted(*args, **kwargs):
+        solves.append(args[3].tolist())
+        return renorm(*args, **kwargs)
+
+    monkeypatch.setattr(exact, "_renorm_at", counted)
+    out, k = bregman_decode_logits(logits, alpha=10.0, lam=1e-100, mode="dual", return_k=True)
+    assert solves == [] and 40000 < int(k) < 49152, (solves, k)
+    cand = candidates(logits, 49152, logits=True)
+    fresh = renorm(Family.EXACT, "dual", cand, k, torch.tensor([10.0], dtype=F64))
+    kept = out[0, cand.index[0, : int(k)]]  # (float32 logits: log q written as float32)
+    assert torch.equal(kept, fresh[0, : int(k)].to(kept.dtype))
 
 
 @pytest.mark.parametrize(("mode", "alpha", "lam"), [("dual", 4.0, 1e-16), ("primal", 3.0, 1e-12)])

@@ -550,9 +550,9 @@ def test_failures_reach_the_prometheus_counter(monkeypatch):
 
 #: Launched ops and host syncs of the exact path's worst cases at [4, 8192] (one call, eager),
 #: at most: the GPU's launches counted on the CPU, a regression guard. Measured 2026-11-27
-#: (launches, syncs): the attack 3861, 208 (4432 before the first probe's bisection took two
-#: steps at a time and the series' moments became one matrix product); dual a=20 4274, 203
-#: (4873); primal a=3 2992, 170 (3492).
+#: (launches, syncs): the attack 3876, 211 (4432, 208 before the first probe's bisection took
+#: two steps at a time and the series' moments became one matrix product); dual a=20 4289,
+#: 206 (4873, 203); primal a=3 3002, 172 (3492, 170).
 EXACT_PATH_COUNTS = {
     "attack: realistic dual a=10 lam=1e-100": ((3.0, 7.0), dict(alpha=10.0, lam=1e-100,
                                                                 mode="dual"), 3950, 215),

@@ -565,6 +565,13 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
     while True:
         active = (low < high).nonzero().squeeze(-1)
         if active.numel() == 0:
+            # A bracket that closed (low = high) at an end whose map the search holds has
+            # T_k* already.
+            rows = ((has_high | has_low) & ~(cached | left)).nonzero().squeeze(-1)
+            if rows.numel():
+                cache[rows] = torch.where(has_high[rows].unsqueeze(-1), high_map[rows],
+                                          low_map[rows])
+                cached[rows] = True
             return left
         lo, hi = low[active], high[active]
         pair = (hi == lo + 1) & has_low[active] & has_high[active]

@@ -256,7 +256,7 @@ def _guessed(mode: str, log_p: Tensor, deficit: Tensor, alpha: Tensor, lam: Tens
         # (at the lower end every entry's t = s - beta log p is below -60: no mass added; a
         # zero entry's q is nu^(1/beta))
         return _bisected(mode, log_p, deficit, a, beta, log_lam,
-                         (beta * lp).amin(-1).squeeze(-1) - 60.0,
+                         (beta * lp).amin(-1) - 60.0,
                          lambda s, lp, b: torch.exp(_shaped_inner(b, s.unsqueeze(-1) - b * lp)),
                          lambda s, b: s.unsqueeze(-1) / b)
     if bool((beta < 0).all()):
