@@ -424,6 +424,29 @@ def test_the_bisection_two_steps_at_a_time_is_the_one_step_bisection(mode, alpha
     assert paired.launches < 0.8 * single.launches, (paired.launches, single.launches)
 
 
+def test_rows_predicted_past_a_rounds_candidates_leave_it_without_a_probe(monkeypatch):
+    """A candidate round (4096 of 49152 entries) whose first probe predicts k* past its
+    candidates sends the rows to the wider round at once: one probe in all, where k* is,
+    not a probe at the floor first (which only certified what the floor did). Two rows of
+    dual alpha 4, lambda 1e-20 with k* about 5000 (the floor in that round: about 2500)."""
+    g = torch.Generator().manual_seed(0)
+    scale = 3.0 + 4.0 * torch.rand(8, 1, generator=g)
+    logits = (torch.randn(8, 49152, generator=g) * scale)[2:4]
+    probes: list[tuple[int, list[int]]] = []
+    probe = exact._probe
+
+    def counted(family, mode, cand, m, *args, **kwargs):
+        probes.append((cand.log_x.shape[-1], m.tolist()))
+        return probe(family, mode, cand, m, *args, **kwargs)
+
+    monkeypatch.setattr(exact, "_probe", counted)
+    out, k = bregman_decode_logits(logits, alpha=4.0, lam=1e-20, mode="dual", return_k=True)
+    assert (k > 4096).all() and torch.isfinite(torch.logsumexp(out.double(), -1)).all(), k
+    assert len(probes) == 1 and probes[0][0] > 4096, probes
+    sizes = torch.tensor(probes[0][1])
+    assert ((sizes - k).abs() <= 1).all(), (probes, k)
+
+
 def test_a_bracket_closed_at_a_held_map_is_not_solved_again(monkeypatch):
     """A probe at m leaves k* >= m + 1 (its series reaches no size above it), the next probe
     at m + 1 finds G(m + 1) <= lambda: the bracket closes at the map that probe holds, T_k*,

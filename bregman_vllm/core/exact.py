@@ -553,10 +553,13 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
             continue
         sub = take(cand, rows)
         first = first_probe(mode, sub.log_x, sub.deficit, alpha[rows], lam[rows], low[rows])
-        # (past the candidates with no boundary there: the probes go from low)
+        # Predicted past the candidates, no boundary there: a wider round goes on from low at
+        # once (a probe here would only certify what the floor did).
         past = open_end[rows] & (first.guess >= width)
         guess[rows] = torch.where(past, low[rows], first.guess)
         predicted[rows] = ~past
+        left[rows] = past
+        high[rows] = torch.where(past, low[rows], high[rows])
         columns = first.values.log_q.shape[-1]
         last_s[rows], last_shift[rows, :columns] = first.values.s, first.shift
         if last_state is not None:
