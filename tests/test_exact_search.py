@@ -327,7 +327,8 @@ def test_the_first_probe_goes_where_k_star_is_predicted(mode, alpha, lam, spread
     fills has its next term at lambda, found without a map, predicts k* within the series'
     reach; the search then takes fewer probes, or (dual) as many with fewer passes over the
     columns (inner-root evaluations, each a pass over [n, C]), than from the floor of the gaps
-    (`exact.PREDICT_FROM` past every size: the search without it), with the same k* and output.
+    (`exact.PREDICT_FROM` and `PREDICT_BELOW_ONE_FROM` past every size: the search without
+    it), with the same k* and output.
     (Measured: 1 or 2 probes against 2 to 4, about half the passes.)"""
     from bregman_vllm.core import series
 
@@ -354,6 +355,7 @@ def test_the_first_probe_goes_where_k_star_is_predicted(mode, alpha, lam, spread
                                        lm, torch.full((2,), 256), 255)
     assert ((guess - k).abs() <= series.SERIES_SIZES).all(), (guess, k)
     monkeypatch.setattr(exact, "PREDICT_FROM", 1 << 40)
+    monkeypatch.setattr(exact, "PREDICT_BELOW_ONE_FROM", 1 << 40)
     counts["probes"], passes[0] = 0, 0.0
     plain, k_plain = bregman_decode_logits(logits, alpha=alpha, lam=lam, mode=mode,
                                            return_k=True)

@@ -255,9 +255,15 @@ def _window_exceeds(family: Family | None, mode: str, cand: Candidates, start: T
 
 #: Probes guided by the multipliers (`_probe`) before the search only bisects.
 GUIDED_PROBES = 8
-#: Lower bound on k* from which the first probe goes where `predict` predicts k* (below, a
-#: probe costs little).
-PREDICT_FROM = 256
+#: Lower bound on k* from which the first probe goes where `predict` predicts k*: every row
+#: the window hands over (its k* is past the window's 64 sizes). Measured at [8, 16384] over
+#: the sweep of benchmarks/bench_core.py, against 256: the same outputs, launched ops -4 %
+#: (realistic dual alpha 4, lambda 1e-22: -38 %), host syncs -5 %.
+PREDICT_FROM = 64
+#: The same for the primal below alpha = 1, whose prediction (a bisection in delta) costs more
+#: than a few probes while k* is in the hundreds (measured at [8, 49152]: peaked rows 1.3x the
+#: time with it from 256).
+PREDICT_BELOW_ONE_FROM = 2048
 #: Smallest |alpha - 1| predicted, per mode: next to alpha = 1 the floor is close to k*
 #: (measured at [8, 49152]: dual alpha 1.001 to 1.05 1.2x the time with the prediction, 1.1 to
 #: 1.4 from 0.7x to 1.2x by rows; primal alpha 1.05 to 1.3 0.6x to 1.0x, 1.001 1.15x).
@@ -543,9 +549,8 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
     # The first probe where k* is predicted (`predict`), for the families it predicts (the
     # quadratic dual alphas solve a map in a few passes) and the alphas where the floor of the
     # gaps is far from k*; the primal's alphas above and below 1 apart (another scalar).
-    # (below alpha = 1 from 8x PREDICT_FROM: measured at [8, 49152], peaked rows with k* in the
-    # hundreds took 1.3x the time with the prediction, its bisection on top of cheap probes)
-    predicted = (low >= torch.where(alpha < 1.0, 8 * PREDICT_FROM, PREDICT_FROM)) & (low < high) \
+    predicted = (low >= torch.where(alpha < 1.0, PREDICT_BELOW_ONE_FROM, PREDICT_FROM)) \
+        & (low < high) \
         & ((alpha - 1.0).abs() >= PREDICT_DISTANCE[mode]) & (family not in QUADRATIC_DUAL_FAMILIES)
     for rows in (predicted & (alpha > 1.0)).nonzero().squeeze(-1), \
             (predicted & (alpha < 1.0)).nonzero().squeeze(-1):
