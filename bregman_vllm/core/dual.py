@@ -43,12 +43,14 @@ from .roots import NEWTON_TOLERANCE, Multiplier, converged, safeguarded_newton
 Tensor = torch.Tensor
 
 _LOG1MEXP_AT_ONE = math.log(1.0 - math.exp(-1.0))
+_LOG_100 = math.log(100.0)
 
 
-def _inner_terms(beta: Tensor, z: Tensor, expm1: bool = False
+def _inner_terms(beta: Tensor, z: Tensor, expm1: bool = False, above: float | None = None
                  ) -> tuple[Tensor, Tensor, Tensor] | tuple[Tensor, Tensor, Tensor, Tensor]:
     """H(e^z) = beta y + log(1 - e^-y) and dH/dz = beta y + y / expm1(y), with y = e^z (and
-    expm1(y), with ``expm1``).
+    expm1(y), with ``expm1``). ``above``: a lower bound on z the caller knows (no host read
+    for the expansion branch when it is above -700).
 
     log(-expm1(-y)) is exact to absolute rounding, all H needs (its tolerance is absolute), and
     both are exact to relative rounding down to the smallest normal y. Below it (z < -700:
@@ -59,7 +61,8 @@ def _inner_terms(beta: Tensor, z: Tensor, expm1: bool = False
     em1 = torch.expm1(y)
     linear = beta * y
     tiny = z < -700.0
-    if not bool(tiny.any()):  # the common case: skip the expansion branch
+    if (above is not None and above >= -700.0) or not bool(tiny.any()):
+        # the common case: skip the expansion branch
         value, slope = torch.log(-torch.expm1(-y)) + linear, y / em1 + linear
     else:
         big = torch.where(tiny, 1.0, y)
@@ -271,9 +274,10 @@ def _joint_newton(lp: Tensor, finite: Tensor, mask: Tensor, beta: Tensor, log_de
     # three selections fewer per pass (each costs about three arithmetic ops on a CPU).
     positive = bool(finite.all())
     guarded = True  # the first iterations' safeguards, until every inner step is small
+    above = None  # a lower bound on z, from the last step's host read
     for _ in range(JOINT_ITERATIONS):
         target = s.unsqueeze(-1) - scaled
-        value, slope, u, em1 = _inner_terms(beta, z, expm1=True)
+        value, slope, u, em1 = _inner_terms(beta, z, expm1=True, above=above)
         if positive:
             residual = target - value
             added = torch.where(mask, p * em1, 0.0)  # q - p (em1 may overflow past it)
@@ -304,20 +308,25 @@ def _joint_newton(lp: Tensor, finite: Tensor, mask: Tensor, beta: Tensor, log_de
         # (a step out of the bracket goes halfway to the end it would have crossed)
         s_new = torch.where(within, proposal, 0.5 * (s + torch.where(ds > 0, high, low)))
         step = (residual + (s_new - s).unsqueeze(-1)) / slope
-        biggest = float(step.abs().max())
+        stop = ready | close
+        # (the largest step, whether any row stops and the smallest z, in one host read: an
+        # unclamped step moves z down by at most the largest step, or log(100) in u,
+        # `_inner_step`; a clamped one may go anywhere in the inner bracket)
+        biggest, stopping, lowest = torch.stack(
+            [step.abs().max(), stop.any().to(step.dtype), z.min()]).tolist()
+        above = lowest - max(biggest, _LOG_100) if biggest <= 0.5 else None
         guarded = biggest > 1e-2
         if biggest > 0.1:  # (from there on a plain step in z is as good as one in u)
             z_new = _inner_step(beta, lp, z, u, step, s_new.unsqueeze(-1) - scaled,
                                 biggest > 0.5)
         else:
             z_new = z + step
-        stop = ready | close
-        if bool(stop.any()):
+        if stopping:
             finished = stop.nonzero().squeeze(-1)
             out_s[rows[finished]] = torch.where(close, s_new, s)[finished]
             out_z[rows[finished]] = torch.where(close.unsqueeze(-1), z_new, z)[finished]
-            done[rows[finished]] = True
-            if bool(stop.all()):
+            done.index_fill_(0, rows[finished], True)
+            if finished.numel() == stop.numel():
                 return out_s, out_z, done
             keep = (~stop).nonzero().squeeze(-1)  # the rows that go on, alone
             rows = rows[keep]

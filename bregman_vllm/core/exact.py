@@ -579,18 +579,18 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
             if rows.numel():
                 cache[rows] = torch.where(has_high[rows].unsqueeze(-1), high_map[rows],
                                           low_map[rows])
-                cached[rows] = True
+                cached.index_fill_(0, rows, True)
             return left
         lo, hi = low[active], high[active]
         pair = (hi == lo + 1) & has_low[active] & has_high[active]
-        if bool(pair.any()):  # the exact gap of the two maps held
-            rows = active[pair]
+        rows = active[pair.nonzero().squeeze(-1)]
+        if rows.numel():  # the exact gap of the two maps held
             m = low[rows]
             log_gap = _exact_gap_at(mode, take(cand, rows), m, alpha[rows], low_map[rows],
                                     low_lift[rows], high_map[rows], high_lift[rows])
             stop = ~(log_gap > torch.log(lam[rows]))
             cache[rows] = torch.where(stop.unsqueeze(-1), low_map[rows], high_map[rows])
-            cached[rows] = True
+            cached.index_fill_(0, rows, True)
             found = torch.where(stop, m, m + 1)
             low[rows], high[rows] = found, found
             continue
@@ -606,14 +606,16 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
             # the prediction (a probe predicts at most twice its size: O(log k*) probes in any
             # case), or `NEAR_REACH` more for a probe put where k* is predicted; only the
             # first two where every bracket is down to two sizes (maps for an exact gap).
-            ending = bool((hi - lo <= 1).all())
             # (a first probe where `predict` put it: k* is expected next to it, and its own
-            # prediction reaches `NEAR_REACH` sizes past it, `predict.predicted_near`)
-            near = bool((predicted[rows] & (tries[rows] == 0)).all())
-            reach = NEAR_REACH + _SPARE_COLUMNS if near else int(size.max()) + _SPARE_COLUMNS
-            columns = min(width, int(hi.max()) + 1, int(size.max()) + reach)
+            # prediction reaches `NEAR_REACH` sizes past it, `predict.predicted_near`; the four
+            # in one host read)
+            ending, near, top, largest = torch.stack([
+                (hi - lo <= 1).all().long(), (predicted[rows] & (tries[rows] == 0)).all().long(),
+                hi.max(), size.max()]).tolist()
+            reach = NEAR_REACH + _SPARE_COLUMNS if near else largest + _SPARE_COLUMNS
+            columns = min(width, top + 1, largest + reach)
             # (a probe's series reads the sizes next to its own)
-            columns = min(width, int(size.max()) + SERIES_COLUMNS) if ending else columns
+            columns = min(width, largest + SERIES_COLUMNS) if ending else columns
             sub = take(cand, rows)
             sub = sub._replace(log_x=sub.log_x[:, :columns])
             start, state = _warm_start(size, last_s[rows], last_shift[rows, :columns],
@@ -625,17 +627,20 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
                            not ending, near)
             log_q, lift = (torch.nn.functional.pad(t, (0, width - columns), value=-math.inf)
                            for t in (probe.log_q, probe.lift))
-            both = probe.below & probe.at
-            cache[rows[both]], cached[rows[both]] = log_q[both], True
-            low[rows[both]], high[rows[both]] = size[both], size[both]
-            only = probe.below & ~probe.at
+            # (each selection one host read: its positions index everything after)
+            both = (probe.below & probe.at).nonzero().squeeze(-1)
+            at = rows[both]
+            cache[at] = log_q[both]
+            cached.index_fill_(0, at, True)
+            low[at], high[at] = size[both], size[both]
+            only = (probe.below & ~probe.at).nonzero().squeeze(-1)
             at = rows[only]
-            low[at], low_map[at], low_lift[at], has_low[at] = size[only], log_q[only], \
-                lift[only], True
-            only = probe.at & ~probe.below
+            low[at], low_map[at], low_lift[at] = size[only], log_q[only], lift[only]
+            has_low.index_fill_(0, at, True)
+            only = (probe.at & ~probe.below).nonzero().squeeze(-1)
             at = rows[only]
-            high[at], high_map[at], high_lift[at], has_high[at] = size[only], log_q[only], \
-                lift[only], True
+            high[at], high_map[at], high_lift[at] = size[only], log_q[only], lift[only]
+            has_high.index_fill_(0, at, True)
             if probe.series is not None:
                 _take_series(family, mode, cand, probe, rows, size, alpha, (log_q, lift),
                              (low, high, has_low, has_high, low_map, low_lift, high_map,
@@ -650,9 +655,10 @@ def _guided(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
             # low.
             leave = open_end[rows] & (probe.guess >= width) & (high[rows] >= width) \
                 & (low[rows] < high[rows])
-            if bool(leave.any()):
-                at = rows[leave]
-                left[at], high[at] = True, low[at]
+            at = rows[leave.nonzero().squeeze(-1)]
+            if at.numel():
+                high[at] = low[at]
+                left.index_fill_(0, at, True)
 
 
 def _take_series(family: Family | None, mode: str, cand: Candidates, probe: _Probe,
@@ -670,19 +676,20 @@ def _take_series(family: Family | None, mode: str, cand: Candidates, probe: _Pro
     use = (lo < hi) & (new_lo <= new_hi)  # (a bracket the probe itself closed stays so)
     ends = ((use & (new_lo > lo), new_lo, low, has_low, low_map, low_lift),
             (use & (new_hi < hi), new_hi, high, has_high, high_map, high_lift))
+    # (each selection one host read: its positions index everything after)
     for moved, end, bound, held, end_map, end_lift in ends:
-        if not bool(moved.any()):
+        moved = moved.nonzero().squeeze(-1)
+        if moved.numel() == 0:
             continue
-        at, own = rows[moved], (end == size)[moved]
-        bound[at] = end[moved]
-        held[at] = own
-        end_map[at[own]], end_lift[at[own]] = log_q[moved][own], lift[moved][own]
+        at, own = rows[moved], end[moved] == size[moved]
+        bound[at], held[at] = end[moved], own
+        mine = moved[own.nonzero().squeeze(-1)]  # an end moved to the probe's own size
+        end_map[rows[mine]], end_lift[rows[mine]] = log_q[mine], lift[mine]
     closed = use & (new_lo == new_hi)
-    if not bool(closed.any()):
-        return
-    own = closed & (new_lo == size)
-    cache[rows[own]], cached[rows[own]] = log_q[own], True
-    other = (closed & ~own).nonzero().squeeze(-1)
+    own = (closed & (new_lo == size)).nonzero().squeeze(-1)
+    cache[rows[own]] = log_q[own]
+    cached.index_fill_(0, rows[own], True)
+    other = (closed & (new_lo != size)).nonzero().squeeze(-1)
     if other.numel() == 0:
         return
     k = new_lo[other]
@@ -700,9 +707,9 @@ def _take_series(family: Family | None, mode: str, cand: Candidates, probe: _Pro
                      probe.s[other] + shift, warm)
     found = _normalized(solved.log_q, support_mask(k, log_p.shape[-1]))
     target = rows[other]
-    cache[target] = -math.inf
+    cache.index_fill_(0, target, -math.inf)
     cache[target, :found.shape[-1]] = found
-    cached[target] = True
+    cached.index_fill_(0, target, True)
 
 
 #: Rows probe in two groups when that saves this share of the columns (`_similar_sizes`) and
