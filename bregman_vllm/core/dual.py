@@ -468,8 +468,8 @@ def dual_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Ten
         z = torch.minimum(_inner_start(beta, lp, s), _inner_upper(beta, target))
         steep = (beta.squeeze(-1) >= 1.0) & (torch.ones_like(s, dtype=torch.bool) if start is None
                                              else torch.isnan(start))
-        if bool(steep.any()):
-            rows = steep.nonzero().squeeze(-1)
+        rows = steep.nonzero().squeeze(-1)
+        if rows.numel():
             s[rows], z[rows] = _shaped_start(lp[rows], finite[rows], mask[rows], beta[rows],
                                              log_deficit[rows], s[rows], low[rows], high[rows])
         z = z if cold is None else torch.where(cold, z, state)

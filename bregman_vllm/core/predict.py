@@ -176,8 +176,8 @@ def predicted_near(mode: str, log_p: Tensor, deficit: Tensor, values: Multiplier
     missed = (((stops <= first) & (first > skip)) | ((stops >= first + span)
                                                      & (first + span < width))) \
         & torch.isfinite(values.s)
-    if bool(missed.any()):
-        rows = missed.nonzero().squeeze(-1)
+    rows = missed.nonzero().squeeze(-1)
+    if rows.numel():
         guess[rows], shift[rows] = predicted_sizes(
             mode, log_p[rows], deficit[rows], values.take(rows, width), alpha[rows],
             lam[rows], m[rows], skip)

@@ -226,8 +226,8 @@ def primal_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
         return torch.where((near > low) & (near < high), near, first)
 
     up = beta > 0
-    if bool(up.any()):
-        i = up.nonzero().squeeze(-1)
+    i = up.nonzero().squeeze(-1)
+    if i.numel():
         lpi, fin, kp, b = lp[i, :near], finite[i], keep[i], beta[i]
         log_ratio = log_deficit[i] - torch.log(k[i].to(dtype))
         low = torch.where(b >= 1, log_ratio, (torch.log(b) + log_ratio) / b)
@@ -255,8 +255,8 @@ def primal_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
         log_q[i], rate[i], lift[i] = level.log_q, level.rate, level.lift
 
     down = ~up
-    if bool(down.any()):
-        i = down.nonzero().squeeze(-1)
+    i = down.nonzero().squeeze(-1)
+    if i.numel():
         lpi, fin, kp, b = log_p[i, :near], finite[i], keep[i], beta[i]
         high = (-top[i]).clamp_min(0.0)
         low = torch.zeros_like(high)
