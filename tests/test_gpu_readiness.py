@@ -550,16 +550,16 @@ def test_failures_reach_the_prometheus_counter(monkeypatch):
 
 #: Launched ops and host syncs of the exact path's worst cases at [4, 8192] (one call, eager),
 #: at most: the GPU's launches and syncs counted on the CPU, a regression guard. Measured
-#: 2026-11-27 (launches, syncs): the attack 3904, 130 (4432, 208 before the first probe's
+#: 2026-11-27 (launches, syncs): the attack 3876, 124 (4432, 208 before the first probe's
 #: bisection took two steps at a time, the series' moments became one matrix product and the
-#: search's selections one host read each); dual a=20 4334, 133 (4873, 203); primal a=3 3027,
-#: 109 (3492, 170).
+#: search's selections one host read each); dual a=20 4306, 127 (4873, 203); primal a=3 3035,
+#: 101 (3492, 170).
 EXACT_PATH_COUNTS = {
     "attack: realistic dual a=10 lam=1e-100": ((3.0, 7.0), dict(alpha=10.0, lam=1e-100,
-                                                                mode="dual"), 4000, 140),
+                                                                mode="dual"), 4000, 130),
     "realistic dual a=20 lam=1e-240": ((3.0, 7.0), dict(alpha=20.0, lam=1e-240, mode="dual"),
-                                       4450, 140),
-    "flat primal a=3 lam=1e-12": ((0.3, 0.3), dict(alpha=3.0, lam=1e-12), 3100, 115),
+                                       4450, 135),
+    "flat primal a=3 lam=1e-12": ((0.3, 0.3), dict(alpha=3.0, lam=1e-12), 3100, 110),
 }
 
 

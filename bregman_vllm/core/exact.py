@@ -422,7 +422,9 @@ def _probe(family: Family | None, mode: str, cand: Candidates, m: Tensor, alpha:
     width = cand.log_x.shape[-1]
     log_p = cand.log_x
     acol = alpha.to(log_p.dtype).unsqueeze(-1)
-    warm = None if bool(torch.isnan(start).all()) else start
+    # (whether any warm start is given, and the least known lower bound: one host read)
+    cold, lowest = torch.stack([torch.isnan(start).all().to(low.dtype), low.min()]).tolist()
+    warm = None if cold else start
     log_deficit = _log_deficit(cand, m)
     dual = mode == "dual"
     past = SERIES_COLUMNS if dual else 1
@@ -468,7 +470,7 @@ def _probe(family: Family | None, mode: str, cand: Candidates, m: Tensor, alpha:
                       series(m))
     # Sizes below the known lower bound need no prediction: the sums over their columns
     # are carried in one piece, the rest column by column.
-    skip = max(0, min(int(low.min()) - 1, width - 1))
+    skip = max(0, min(lowest - 1, width - 1))
     if not near:
         guess, shift = predicted_sizes(mode, log_p, cand.deficit, solved, alpha, lam, m, skip)
         return _Probe(normalized, solved.lift, below, at, guess, solved.s, shift, solved.state,
@@ -930,7 +932,9 @@ def _decode_rows(scores: Tensor, plan: ExactPlan, sink: _Sink, pending: Tensor, 
             # Rows that need more candidates than this round has (a fixed k larger than its
             # width, or a k* known to be at least its width) wait for a wider round.
             ready = (plan.fixed_k[pending] <= width) & (low[pending] < width)
-            now, later = pending[ready], pending[~ready]
+            order = torch.argsort((~ready).to(torch.int8), stable=True)  # ready first
+            count = int(ready.sum())
+            now, later = pending[order[:count]], pending[order[count:]]
         else:
             now, later = pending, pending[:0]
         piece = max(1, MEMORY_BUDGET // max(1, width * _BYTES_PER_ENTRY))

@@ -115,8 +115,8 @@ def log_entry_term(mode: str, log_p: Tensor, log_q: Tensor, alpha: Tensor) -> Te
     positive = torch.isfinite(log_p)
     lp = torch.where(positive, log_p, 0.0)
     moved = lp + torch.log(torch.expm1((log_q - lp).clamp_min(0.0)))
-    inner = torch.where(positive, torch.logaddexp(2.0 * torch.log(b) + moved, lp),
-                        2.0 * torch.log(b) + log_q)
+    log_b2 = 2.0 * torch.log(b)
+    inner = torch.where(positive, torch.logaddexp(log_b2 + moved, lp), log_b2 + log_q)
     return b * log_q + inner - torch.log(alpha * b)
 
 
