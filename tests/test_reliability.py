@@ -70,7 +70,8 @@ ENGINE = ["--logprobs-mode", "processed_logprobs", "--max-num-seqs", "32", "--en
 LONG_TOKENS = 8000
 
 FIGURES: dict[str, Any] = {"requests": 0, "5xx": 0, "not_openai_shaped": 0,
-                           "load_requests": 0, "load_ok": 0, "slow_clients": 0,
+                           "load_requests": 0, "load_ok": 0, "load_retried_408": 0,
+                           "slow_clients": 0,
                            "slow_connections": 0, "served_while_slow": "",
                            "faults_survived": [], "lost": 0}
 
@@ -607,9 +608,9 @@ def test_load_240_requests_at_concurrency_32(servers: Servers) -> None:
     configs = [{"bregman_alpha": 1.5}, {"bregman_mode": "dual", "bregman_alpha": 3},
                {"bregman_top_k": 5, "bregman_alpha": "inf"}, {"bregman_mode": "off"}, {}]
 
-    def one(i: int) -> int:
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 1.0,
-                "stream": i % 2 == 0, **configs[i % len(configs)]}
+    retried: list[int] = []
+
+    def send(body: dict[str, Any]) -> int:
         with httpx.Client(timeout=120, headers=AUTH) as client:
             if body["stream"]:
                 with client.stream("POST", servers.url + "/v1/completions", json=body) as r:
@@ -619,14 +620,28 @@ def test_load_240_requests_at_concurrency_32(servers: Servers) -> None:
                     return 200 if lines[-1] == "data: [DONE]" else 599  # (cut short)
             return client.post(servers.url + "/v1/completions", json=body).status_code
 
+    def one(i: int) -> int:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 1.0,
+                "stream": i % 2 == 0, **configs[i % len(configs)]}
+        status = send(body)
+        if status == 408:
+            # This module's head deadline is 3 s (its own tests' limit); 32 client threads on a
+            # loaded 2-core machine once sent a head later than that (CI, 2026-11-27). The
+            # official OpenAI client retries a 408; so does this one, once, and counts it.
+            retried.append(i)
+            status = send(body)
+        return status
+
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         statuses = list(pool.map(one, range(240)))
     FIGURES["load_requests"] += len(statuses)
     FIGURES["load_ok"] += statuses.count(200)
+    FIGURES["load_retried_408"] += len(retried)
     FIGURES["lost"] += len(statuses) - statuses.count(200)  # no complete answer
-    FIGURES["requests"] += len(statuses)
+    FIGURES["requests"] += len(statuses) + len(retried)
     FIGURES["5xx"] += sum(status >= 500 for status in statuses)
     assert statuses.count(200) == 240, collections.Counter(statuses)
+    assert len(retried) <= 5, retried  # (a late head now and then, not a pattern)
 
 
 # --- finding 6: shutdown and faults --------------------------------------------------------------
