@@ -550,10 +550,10 @@ def test_failures_reach_the_prometheus_counter(monkeypatch):
 
 #: Launched ops and host syncs of the exact path's worst cases at [4, 8192] (one call, eager),
 #: at most: the GPU's launches and syncs counted on the CPU, a regression guard. Measured
-#: 2026-11-27 (launches, syncs): the attack 3876, 124 (4432, 208 before the first probe's
+#: 2026-11-27 (launches, syncs): the attack 3870, 126 (4432, 208 before the first probe's
 #: bisection took two steps at a time, the series' moments became one matrix product and the
-#: search's selections one host read each); dual a=20 4306, 127 (4873, 203); primal a=3 3035,
-#: 101 (3492, 170).
+#: search's selections one host read each); dual a=20 4300, 129 (4873, 203); primal a=3 3029,
+#: 103 (3492, 170).
 EXACT_PATH_COUNTS = {
     "attack: realistic dual a=10 lam=1e-100": ((3.0, 7.0), dict(alpha=10.0, lam=1e-100,
                                                                 mode="dual"), 4000, 130),

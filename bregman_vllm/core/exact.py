@@ -932,9 +932,7 @@ def _decode_rows(scores: Tensor, plan: ExactPlan, sink: _Sink, pending: Tensor, 
             # Rows that need more candidates than this round has (a fixed k larger than its
             # width, or a k* known to be at least its width) wait for a wider round.
             ready = (plan.fixed_k[pending] <= width) & (low[pending] < width)
-            order = torch.argsort((~ready).to(torch.int8), stable=True)  # ready first
-            count = int(ready.sum())
-            now, later = pending[order[:count]], pending[order[count:]]
+            now, later = pending[ready], pending[~ready]
         else:
             now, later = pending, pending[:0]
         piece = max(1, MEMORY_BUDGET // max(1, width * _BYTES_PER_ENTRY))

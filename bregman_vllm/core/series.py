@@ -41,6 +41,7 @@ stay with the probes and the exact gap of two maps.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -122,20 +123,15 @@ def _moments(delta: Tensor, rate: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return out[..., 0], out[..., 1], out[..., 2]
 
 
-_MOMENTS: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor, Tensor]] = {}
-
-
+@functools.lru_cache(maxsize=8)
 def _moment_constants(dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """The powers k = 0 .. K-1, the coefficients 1 / (k! (n + k + 1)) with their signs folded
     into the powers ([K, 3]) and the exponents n + 1 ([3]) of `_moments`, made once."""
-    key = (dtype, device)
-    if key not in _MOMENTS:
-        coefficients = [[1.0 / (math.factorial(k) * (n + k + 1)) for n in (1, 2, 3)]
-                        for k in range(_MOMENT_TERMS)]
-        _MOMENTS[key] = (torch.arange(_MOMENT_TERMS, dtype=dtype, device=device),
-                         torch.tensor(coefficients, dtype=dtype, device=device),
-                         torch.tensor([2.0, 3.0, 4.0], dtype=dtype, device=device))
-    return _MOMENTS[key]
+    coefficients = [[1.0 / (math.factorial(k) * (n + k + 1)) for n in (1, 2, 3)]
+                    for k in range(_MOMENT_TERMS)]
+    return (torch.arange(_MOMENT_TERMS, dtype=dtype, device=device),
+            torch.tensor(coefficients, dtype=dtype, device=device),
+            torch.tensor([2.0, 3.0, 4.0], dtype=dtype, device=device))
 
 
 def series_bounds(mode: str, log_p: Tensor, solved: Multiplier, m: Tensor, alpha: Tensor,
