@@ -195,18 +195,19 @@ def test_sdk_completion_with_bregman_fields_reaches_the_processor(live: Live) ->
 
 
 def test_sdk_completion_stream(live: Live) -> None:
-    kwargs = sample_kwargs(max_tokens=8, logprobs=None, seed=11,
+    kwargs = sample_kwargs(max_tokens=32, logprobs=None, seed=11,
                            extra_body={"bregman_mode": "dual", "bregman_alpha": "inf",
-                                       "bregman_top_k": 4})
+                                       "bregman_top_k": 4, "ignore_eos": True})
     client = live.client()
     stream = client.completions.create(**kwargs, stream=True,
                                        stream_options={"include_usage": True})
     chunks = list(stream)
     texts = [chunk.choices[0].text for chunk in chunks if chunk.choices]
-    # One event per token, except that vLLM holds back a token whose text is an incomplete
-    # UTF-8 sequence: at least several events, never one buffered blob.
-    assert 4 <= len(texts) <= 8
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+    # About one event per token, but vLLM merges the tokens of a request that its API server
+    # has not sent yet into one event (all 8 of an 8-token request once, on a loaded CI
+    # machine) and holds back an incomplete UTF-8 sequence: never one buffered blob.
+    assert 2 <= len(texts) <= 32
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 32
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     # Nothing lost or altered on the way: the same seeded request, not streamed, says the same.
     assert "".join(texts) == client.completions.create(**kwargs).choices[0].text
