@@ -13,7 +13,10 @@ ratios to ``torch.softmax`` over the same [B, V] tensor:
 * extreme parameters (``--only extremes``): every end of every range of the parameter model
   beside the default configuration on the same rows (the cost multiple: timed, and counted as
   elements and launched ops against the bound ``WORK_BOUND``), realistic and flat rows, and
-  with ``--baseline`` the old core's time and counts (issue 18).
+  with ``--baseline`` the old core's time and counts (issue 18);
+* the exact path's floor (``--only floor``): for the worst cases of issue 25, the output map
+  T_k* alone (k* given, from cold, on the rows already sorted: what any exact path pays after
+  its sort and search) beside the whole call and a full ``torch.sort`` of the same rows.
 
 Targets (this CPU): adaptive primal alpha = 1.5 at [64, 128256] within 3x one softmax pass; dual
 within 6x.
@@ -41,6 +44,7 @@ torch step); ``syncs`` / ``launch`` count the torch step's ops.
     python benchmarks/bench_core.py --device cuda --batch 64 256 --vocab 128256
     python benchmarks/bench_core.py --only ratios --batch 64 --vocab 128256 --baseline 3ef72a5
     python benchmarks/bench_core.py --only extremes --extremes-shape 8x49152 --baseline d9c8b1c
+    python benchmarks/bench_core.py --only floor --extremes-shape 8x49152
 
 ``--baseline REV`` adds, interleaved with every decoder row of the ratio tables, the same call
 on the core of git revision REV (its ``bregman_vllm`` extracted with ``git archive`` into a
@@ -534,6 +538,59 @@ def extremes_table(args, device: str) -> None:
               + (f"; old core {worst_old_sort[1]:.2f}x ({worst_old_sort[0]})" if old else ""))
 
 
+
+#: The worst cases of issue 25 (rows, parameters): the attack, the worst realistic and flat
+#: cases of the extremes table, and the worst of the sweep.
+FLOOR_CASES = [
+    ("realistic", dict(alpha=10.0, lam=1e-100, mode="dual")),
+    ("realistic", dict(alpha=20.0, lam=1e-240, mode="dual")),
+    ("flat", dict(alpha=4.0, lam=1e-20, mode="dual")),
+    ("flat", dict(alpha=2.5, lam=1e-12, mode="dual")),
+    ("flat", dict(alpha=1.1, lam=4e-5, mode="dual")),
+]
+
+
+def floor_table(args, device: str) -> None:
+    """What any exact path pays for the worst cases, beside what it pays now: a full sort of the
+    rows, the output map alone (T_k* on the sorted whole row with k* given, from cold: the
+    solve every exact path ends with, its search aside) and the whole call, side by side."""
+    from bregman_vllm.core.candidates import candidates
+    from bregman_vllm.core.exact import log_renorm
+    from bregman_vllm.core.plan import rows_family
+
+    batch, vocab = (int(x) for x in args.extremes_shape.lower().split("x"))
+    g = torch.Generator(device="cpu").manual_seed(0)
+    scale = 3.0 + 4.0 * torch.rand(batch, 1, generator=g)
+    inputs = {"realistic": (torch.randn(batch, vocab, generator=g) * scale).to(device),
+              "flat": (torch.randn(batch, vocab, generator=g) * 0.3).to(device)}
+    print(f"\nthe exact path's floor at [{batch}, {vocab}] (median ms, calls alternating; "
+          f"map: T_k* alone with k* given, from cold, on the rows already sorted in float64: any "
+          f"exact path pays at least a sort plus the map)")
+    print(f"{'case':<40} {'k* median':>9} {'sort ms':>8} {'map ms':>8} {'call ms':>8} "
+          f"{'map x sort':>10} {'call x sort':>11} {'call x map':>10}")
+    for kind, kwargs in FLOOR_CASES:
+        logits = inputs[kind]
+        _, k = bregman_decode_logits(logits, return_k=True, **kwargs)
+        alpha = torch.full((batch,), kwargs["alpha"], dtype=torch.float64, device=device)
+        family = rows_family(kwargs["mode"], alpha.tolist(), False)
+        cand = candidates(logits, vocab, logits=True)  # the sorted rows, float64 (not timed)
+        log_p = cand.log_x[:, :int(k.max())]
+        log_deficit = torch.log(torch.gather(cand.deficit, 1, (k - 1).unsqueeze(-1))).squeeze(-1)
+
+        def output_map(log_p=log_p, k=k, alpha=alpha, family=family, log_deficit=log_deficit,
+                       mode=kwargs["mode"]) -> torch.Tensor:
+            return log_renorm(family, mode, log_p, k, alpha, log_deficit)
+
+        sort, solve, call = _side_by_side(
+            [lambda logits=logits: torch.sort(logits, -1, descending=True), output_map,
+             lambda logits=logits, kwargs=kwargs: bregman_decode_logits(logits, **kwargs)],
+            device, max(1, args.repeats // 2))
+        name = f"{kind} {kwargs['mode']} a={kwargs['alpha']:g} lam={kwargs['lam']:g}"
+        print(f"{name:<40} {int(k.median()):9d} {sort * 1e3:8.1f} {solve * 1e3:8.1f} "
+              f"{call * 1e3:8.1f} {solve / sort:10.2f} {call / sort:11.2f} {call / solve:10.2f}",
+              flush=True)
+
+
 #: The sweep's grid (``--only sweep``): per mode, alphas across the accepted range, and for each
 #: alpha the lambdas 10^(-alpha t), which put p^alpha / alpha (the scale of the gaps, eq. (6))
 #: at every size of a row, from a few tokens to the whole vocabulary, on flat and peaked rows.
@@ -627,9 +684,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, 2 repeats")
     parser.add_argument("--step-shapes", nargs="*", default=["64x128256", "256x128256"],
                         help="shapes BxV of the GPU-readiness table (none: skip it)")
-    parser.add_argument("--only", choices=["ratios", "steps", "extremes", "sweep"],
+    parser.add_argument("--only", choices=["ratios", "steps", "extremes", "sweep", "floor"],
                         help="run only the ratio tables, the GPU-readiness table, the "
-                             "extreme-parameter table or the parameter sweep")
+                             "extreme-parameter table, the parameter sweep or the exact "
+                             "path's floor")
     parser.add_argument("--extremes-shape", default="64x49152",
                         help="BxV of the extreme-parameter table")
     parser.add_argument("--sweep-shape", default="8x49152", help="BxV of the parameter sweep")
@@ -655,7 +713,9 @@ def main() -> None:
         extremes_table(args, device)
     if args.only in (None, "sweep"):
         sweep_table(args, device)
-    if args.only not in ("ratios", "extremes", "sweep") and args.step_shapes:
+    if args.only == "floor":
+        floor_table(args, device)
+    if args.only not in ("ratios", "extremes", "sweep", "floor") and args.step_shapes:
         print("\nGPU readiness: one bregman_decode_logits call per configuration")
         for shape in args.step_shapes:
             batch, vocab = (int(x) for x in shape.lower().split("x"))

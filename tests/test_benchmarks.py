@@ -139,3 +139,20 @@ def test_triton_benchmark_runs_at_tiny_shapes():
         assert line.endswith("syncs 0"), line
     for section in ("warm-up:", "one in-place step", "flat worst cases", "recompiles:"):
         assert section in out, section
+
+
+def test_the_exact_paths_floor_table_prints_every_worst_case():
+    """`bench_core.py --only floor` (issue 25): each worst case's output map alone (k* given)
+    beside a sort of the same rows and the whole call; every ratio printed is a positive number
+    and each case's k* is a size of the row (the map ran at the call's own k*)."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_core.py", "--quick", "--only", "floor"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines()
+            if line.startswith(("realistic dual", "flat dual"))]
+    assert len(rows) == 5, done.stdout
+    for row in rows:
+        k_star, *figures = row[-7:]
+        assert 1 <= int(k_star) <= 4096, row
+        assert all(float(figure) > 0 for figure in figures), row
