@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         description="OpenAI-compatible server with Bregman decoding, in front of vLLM. Every "
         "argument not listed here goes to vLLM's own OpenAI server in this process "
-        "(see `python -m vllm.entrypoints.openai.api_server --help`). Each flag can also "
+        "(see `vllm serve --help`). Each flag can also "
         "be set with an environment variable BREGMAN_<FLAG> (e.g. BREGMAN_API_KEY).",
     )
     groups = {}
