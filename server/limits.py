@@ -367,18 +367,3 @@ def uvicorn_options(settings: ServerSettings) -> dict[str, Any]:
     return dict(http=BoundedH11Protocol.bound(settings), lifespan="on",
                 # Our own drain (`bregman_server.serving`) runs before uvicorn's shutdown starts.
                 timeout_graceful_shutdown=2.0)
-
-
-def uvicorn_config(app: Any, settings: ServerSettings, h11_max_header_count: int | None = None,
-                   **overrides: Any) -> Any:
-    """A uvicorn ``Config`` serving ``app`` on our settings' address with `uvicorn_options` (the
-    stand-in servers of the tests; `bregman-serve` runs vLLM's own)."""
-    import uvicorn
-
-    options: dict[str, Any] = dict(
-        host=settings.host, port=settings.port, log_level=settings.log_level,
-        h11_max_incomplete_event_size=settings.max_header_bytes, **uvicorn_options(settings))
-    options.update(overrides)
-    config = uvicorn.Config(app, **options)
-    config.h11_max_header_count = h11_max_header_count  # type: ignore[attr-defined]
-    return config

@@ -37,18 +37,6 @@ logger = logging.getLogger("bregman_server")
 WATCH_INTERVAL = 0.2
 
 
-def http_server(config: Any) -> Any:
-    """uvicorn's server without its own signal handlers, without importing vLLM (the unit
-    tests' server; vLLM's launcher runs its own ``NoSignalServer``)."""
-    import uvicorn
-
-    class NoSignalServer(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):  # type: ignore[no-untyped-def]
-            yield
-
-    return NoSignalServer(config)
-
 
 async def run_lifecycle(lifecycle: Lifecycle, settings: ServerSettings, app: Any) -> None:
     """Steps 1-3 of the module docstring, for the uvicorn server that vLLM's launcher put in

@@ -34,9 +34,8 @@ from bregman_server.bregman import apply_bregman
 from bregman_server.cli import parse_args
 from bregman_server.jsonbody import MAX_DEPTH, must_parse
 from bregman_server.lifecycle import Lifecycle
-from bregman_server.limits import uvicorn_config
+from bregman_server.limits import uvicorn_options
 from bregman_server.middleware import BregmanMiddleware
-from bregman_server.serving import http_server
 from bregman_server.settings import ServerSettings
 from fastapi import FastAPI
 from hypothesis import HealthCheck, given, settings
@@ -156,6 +155,28 @@ def stub_app() -> FastAPI:
     return app
 
 
+def http_server(app: Any, settings: ServerSettings, **overrides: Any) -> Any:
+    """uvicorn serving ``app`` with our `uvicorn_options` (what `bregman-serve` passes through
+    vLLM's launcher) on the settings' address, without signal handlers (it runs in a thread
+    here; vLLM's launcher runs its own ``NoSignalServer``). ``h11_max_header_count``: the
+    header count limit `BoundedH11Protocol` reads from the config."""
+    import uvicorn
+
+    class NoSignalServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[no-untyped-def]
+            yield
+
+    header_count = overrides.pop("h11_max_header_count", None)
+    options: dict[str, Any] = dict(
+        host=settings.host, port=settings.port, log_level=settings.log_level,
+        h11_max_incomplete_event_size=settings.max_header_bytes, **uvicorn_options(settings))
+    options.update(overrides)
+    config = uvicorn.Config(app, **options)
+    config.h11_max_header_count = header_count  # type: ignore[attr-defined]
+    return NoSignalServer(config)
+
+
 class Served:
     """uvicorn serving the stub behind `BregmanMiddleware` in a thread, on a loopback port."""
 
@@ -166,8 +187,8 @@ class Served:
         app = BregmanMiddleware(inner or stub_app(), settings=self.settings,
                                 lifecycle=self.lifecycle)
         # The servers' own uvicorn, without signal handlers (it runs in a thread here).
-        self.server = http_server(uvicorn_config(app, self.settings, log_level="warning",
-                                                 h11_max_header_count=32))
+        self.server = http_server(app, self.settings, log_level="warning",
+                                  h11_max_header_count=32)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
