@@ -141,18 +141,30 @@ def test_triton_benchmark_runs_at_tiny_shapes():
         assert section in out, section
 
 
-def test_the_exact_paths_floor_table_prints_every_worst_case():
-    """`bench_core.py --only floor` (issue 25): each worst case's output map alone (k* given)
-    beside a sort of the same rows and the whole call; every ratio printed is a positive number
-    and each case's k* is a size of the row (the map ran at the call's own k*)."""
-    done = subprocess.run(
-        [sys.executable, "benchmarks/bench_core.py", "--quick", "--only", "floor"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils' timeout")
+def test_the_gpu_runs_exact_stage_runs_on_a_cpu(tmp_path):
+    """`benchmarks/gpu_run.sh exact` (issue 25's GPU run, for a session lent a GPU) runs its
+    stages to the end here with ``DEVICE=cpu SMALL=1``: both tables printed, every stage exit 0,
+    the log written under ``$OUT``; an unknown run is refused with status 2. The floor table
+    (`bench_core.py --only floor`) has a row per worst case, each map solved at the call's own
+    k* (a size of the row) and every figure a positive number."""
+    env = {**os.environ, "OUT": str(tmp_path), "DEVICE": "cpu", "SMALL": "1",
+           "PYTHON": sys.executable}
+    done = subprocess.run(["bash", "benchmarks/gpu_run.sh", "exact"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line.split() for line in done.stdout.splitlines()
+    log = (tmp_path / "gpu_run_exact.log").read_text()
+    assert log.count("(exit 0)") == 2, log[-3000:]
+    assert "the exact path's floor at [4, 4096]" in log
+    rows = [line.split() for line in log.splitlines()
             if line.startswith(("realistic dual", "flat dual"))]
-    assert len(rows) == 5, done.stdout
+    assert len(rows) == 5, log
     for row in rows:
         k_star, *figures = row[-7:]
         assert 1 <= int(k_star) <= 4096, row
         assert all(float(figure) > 0 for figure in figures), row
+    assert "worst multiple of a sort of the same rows" in log
+    refused = subprocess.run(["bash", "benchmarks/gpu_run.sh", "everything"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "usage" in refused.stderr
+    assert not (tmp_path / "gpu_run_everything.log").exists()
