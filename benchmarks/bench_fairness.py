@@ -15,14 +15,16 @@ engine holds 17 rows. Printed: the plain request's latency in each setting, its 
 rounds, and its multiple of the plain batch's median latency (target at most 1.5x; the issue
 measured 18x with the core of f8423c3). ``--baseline REV`` runs the same rounds on a second
 server whose ``bregman_vllm`` and server are those of git revision REV (`git archive`, put
-first on its PYTHONPATH), after the first server has stopped.
+first on its PYTHONPATH), after the first server has stopped. ``--max-support N [N ...]``
+runs the same rounds again on a server started with each ``--max-support N`` (the extreme
+requests, which send no ``bregman_k_max``, then decode with ``k_max = N``).
 
 Usage (wrap in the engine lock on a shared machine)::
 
     flock /work/wt/engine.lock python benchmarks/bench_fairness.py [--tokens 32] [--rounds 3]
-        [--baseline f8423c3] [--json FILE]
+        [--baseline f8423c3] [--max-support 4096 1024] [--json FILE]
 
-Exit status 1 if a target is missed.
+Exit status 1 if the target is missed by this core's server without a limit.
 """
 
 from __future__ import annotations
@@ -134,15 +136,15 @@ def _baseline_tree(revision: str, into: Path) -> Path:
     return into
 
 
-def run(label: str, log: Path, tokens: int, rounds: int, core: Path | None
-        ) -> dict[str, list[float]]:
+def run(label: str, log: Path, tokens: int, rounds: int, core: Path | None,
+        flags: tuple[str, ...] = ()) -> dict[str, list[float]]:
     env = server_environment()
     env["VLLM_CPU_KVCACHE_SPACE"] = "2"
     env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     if core is not None:  # its packages first (and the working directory: first on the path)
         env["PYTHONPATH"] = os.pathsep.join([str(core), *filter(None, [env.get("PYTHONPATH")])])
-    server = ServerProcess(["--model", str(MODEL), "--enforce-eager", "--max-num-seqs", "32"],
-                           log, env=env, cwd=core or ROOT)
+    server = ServerProcess(["--model", str(MODEL), "--enforce-eager", "--max-num-seqs", "32",
+                            *flags], log, env=env, cwd=core or ROOT)
     try:
         start = time.monotonic()
         server.start().wait_healthy(timeout=900)
@@ -158,6 +160,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline", help="git revision of the core to measure beside")
+    parser.add_argument("--max-support", type=int, nargs="*", default=[],
+                        help="also run this core's server with each --max-support N")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     # SIGTERM (a timeout, a killed job) unwinds like Ctrl-C: `run` stops the server it started.
@@ -179,6 +183,13 @@ def main() -> int:
                       args.rounds, core)
             text, old_worst = report(f"core of {args.baseline}", old)
             out[args.baseline] = {"latencies": old, "worst": old_worst}
+            texts.append(text)
+        for limit in args.max_support:
+            label = f"this core, --max-support {limit}"
+            limited = run(label, Path(scratch) / f"limited-{limit}.log", args.tokens,
+                          args.rounds, None, ("--max-support", str(limit)))
+            text, limited_worst = report(label, limited)
+            out[label] = {"latencies": limited, "worst": limited_worst}
             texts.append(text)
         print("\n".join(texts))
     if args.json:

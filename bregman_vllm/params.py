@@ -288,6 +288,9 @@ def _fmt(value: float) -> str:
 #: that no request can overflow the engine's index tensors; larger supports are clamped to the
 #: vocabulary by the engine anyway.
 MAX_SUPPORT_SIZE = 2**31 - 1
+#: The fields that are support sizes (attribute: request key), held to a deployment's largest
+#: support size by `BregmanParams.within`.
+SIZE_FIELDS = {"top_k": "bregman_top_k", "k_max": "bregman_k_max"}
 
 # A plain ASCII decimal number: no "1_000", no non-ASCII digits ("²", "١"), no hex, no "nan".
 _NUMBER_TEXT = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
@@ -464,6 +467,29 @@ class BregmanParams:
         changes = {name: present[key] for name, key in FIELD_KEYS.items() if key in present}
         changes.setdefault("mode", _implied_mode(base.mode, present))
         return replace(base, **changes)
+
+    def within(self, max_support: int | None) -> BregmanParams:
+        """These parameters under a deployment's largest support ``max_support`` (None: no
+        limit): a `bregman_top_k` or `bregman_k_max` above it raises `BregmanParamError`, and
+        decoding without `bregman_k_max` decodes with ``k_max = max_support`` (for adaptive
+        decoding k* = min(k*, k_max), by the k-convexity of Theorem 3.3). What a server
+        admits, so that no request's rows cost more than the top ``max_support`` of a row.
+
+        Example:
+            >>> BregmanParams(lam=1e-9).within(1024)
+            BregmanParams(mode='primal', alpha=1.5, lam=1e-09, top_k=None, k_max=1024)
+        """
+        if max_support is None:
+            return self
+        for name, key in SIZE_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None and value > max_support:
+                raise BregmanParamError(
+                    key, f"must be an integer in [1, {max_support}] on this server (its largest "
+                    f"support size), got {value}")
+        if self.k_max is not None or not self.enabled:
+            return self
+        return replace(self, k_max=max_support)
 
     def to_request(self) -> dict[str, Any]:
         """The ``bregman_*`` keys for ``vllm_xargs`` / ``SamplingParams.extra_args``.

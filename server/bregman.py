@@ -53,7 +53,8 @@ _HOLDER_NAMES = frozenset({"vllmxargs", "extraargs", "extrabody"})
 
 
 def apply_bregman(body: dict[str, Any], defaults: BregmanParams | None,
-                  target: Target = VLLM_XARGS) -> tuple[str, bool]:
+                  target: Target = VLLM_XARGS, max_support: int | None = None
+                  ) -> tuple[str, bool]:
     """Rewrite ``body`` in place for vLLM.
 
     Returns the effective mode ("primal" / "dual" / "off") and whether the body changed (an
@@ -63,7 +64,9 @@ def apply_bregman(body: dict[str, Any], defaults: BregmanParams | None,
     * top-level ``bregman_*`` fields are removed from the body (vLLM would ignore them);
     * an enabled result is written to the extra arguments next to the user's other keys;
     * a disabled result ("off", explicitly or by default) removes every ``bregman_*`` key from
-      them, so an explicit "off" also beats a server default.
+      them, so an explicit "off" also beats a server default;
+    * with ``max_support`` (the server's largest support size), an enabled result is held to it
+      (`BregmanParams.within`: sizes above it refused, ``k_max`` filled in when absent).
 
     Raises `BregmanParamError` (``.field`` names the parameter) for invalid values, for keys
     meant as Bregman fields that are not ones, and for a request whose two places disagree.
@@ -110,6 +113,7 @@ def apply_bregman(body: dict[str, Any], defaults: BregmanParams | None,
     if holder is None:
         raise BregmanParamError(outer[0], "must be an object: the Bregman fields go into its "
                                 f"{name}")
+    params = params.within(max_support)
     merged = {k: v for k, v in xargs.items() if k not in REQUEST_KEYS} if xargs else {}
     merged.update(params.to_request())
     holder[name] = merged

@@ -40,7 +40,8 @@ from .settings import ServerSettings
 _GROUPS = {
     "server-wide Bregman defaults (a request's own fields win; \"off\" leaves requests that "
     "send no bregman field untouched)": (
-        "default_mode", "default_alpha", "default_lambda", "default_top_k", "default_k_max"),
+        "default_mode", "default_alpha", "default_lambda", "default_top_k", "default_k_max",
+        "max_support"),
     "limits and timeouts (clients)": (
         "max_body_bytes", "max_header_bytes", "max_connections", "header_timeout",
         "body_timeout", "body_deadline", "send_timeout", "keep_alive_timeout", "graceful_timeout",

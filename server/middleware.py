@@ -367,7 +367,7 @@ class BregmanMiddleware:
                 raise refuse_special(body)
             return "none", scope, raw
         assert target is not None
-        mode, changed = apply_bregman(body, self.defaults, target)
+        mode, changed = apply_bregman(body, self.defaults, target, self.settings.max_support)
         if not (changed or special):
             return mode, scope, raw
         raw = encode_json_body(body)

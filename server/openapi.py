@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from bregman_vllm.params import FIELD_SPECS, REQUEST_KEYS, FieldSpec
+from bregman_vllm.params import FIELD_SPECS, REQUEST_KEYS, SIZE_FIELDS, FieldSpec
 
 from .routes import FORM, Routes
 from .settings import ServerSettings
@@ -49,6 +49,12 @@ def bregman_properties(settings: ServerSettings) -> dict[str, Any]:
         prop = field_schema(_SPECS[key])
         prop["default"] = server_defaults.get(key)
         prop["description"] += f" This server's default: {json.dumps(server_defaults.get(key))}."
+        if settings.max_support is not None and key in SIZE_FIELDS.values():
+            # (the server's largest support size: `BregmanParams.within`)
+            for option in prop["anyOf"]:
+                if option.get("type") == "integer":
+                    option["maximum"] = settings.max_support
+            prop["description"] += f" At most {settings.max_support} on this server."
         properties[key] = prop
     return properties
 

@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from bregman_vllm.params import (
     DEFAULT_ALPHA,
     DEFAULT_LAMBDA,
+    MAX_SUPPORT_SIZE,
     BregmanParamError,
     BregmanParams,
     parse_alpha,
@@ -80,6 +81,12 @@ class ServerSettings(BaseSettings):
     default_lambda: float = Field(DEFAULT_LAMBDA, ge=0, description="Default bregman_lambda.")
     default_top_k: int | None = Field(None, ge=1, description="Default bregman_top_k.")
     default_k_max: int | None = Field(None, ge=1, description="Default bregman_k_max.")
+    max_support: int | None = Field(
+        None, ge=1, le=MAX_SUPPORT_SIZE, description="Largest support size a request may "
+        "decode to: a bregman_top_k or bregman_k_max above it is refused (400), and a request "
+        "without bregman_k_max decodes with k_max = this. Bounds what one request's rows cost "
+        "every engine step (rows with k* past the fixed window take the exact path, whose cost "
+        "grows with k*: docs/server.md); unset: no limit.")
 
     # --- the engine in this process -----------------------------------------------------------
     engine_exit_grace: float = Field(
@@ -100,7 +107,7 @@ class ServerSettings(BaseSettings):
     def _check_defaults(self) -> ServerSettings:
         # Same rules as a request: a deployment cannot start with defaults every request refuses.
         try:
-            self.bregman_defaults()
+            self.bregman_defaults().within(self.max_support)
         except BregmanParamError as error:
             raise ValueError(f"invalid server default {error}") from None
         return self
@@ -127,7 +134,8 @@ class ServerSettings(BaseSettings):
             "bregman_alpha": alpha if math.isfinite(alpha) else ("inf" if alpha > 0 else "-inf"),
             "bregman_lambda": self.default_lambda,
             "bregman_top_k": self.default_top_k,
-            "bregman_k_max": self.default_k_max,
+            "bregman_k_max": self.default_k_max if self.default_k_max is not None
+            else self.max_support,
         }
 
 

@@ -421,6 +421,60 @@ def test_server_defaults_apply_to_requests_that_do_not_say() -> None:
         assert "vllm_xargs" not in off.json()["received"]
 
 
+
+def test_the_largest_support_size_holds_every_request_to_it() -> None:
+    """``--max-support`` (issue 25's attack: one request's rows, k* in the tens of thousands,
+    slowed every other request's steps): a bregman_top_k or bregman_k_max above it is refused
+    with a 400 naming the field and its range, at the top level and in vllm_xargs, on every
+    honoured route; a request without bregman_k_max reaches vLLM with k_max = the limit; one
+    within it reaches vLLM as sent; a request that does not decode (off) is left alone."""
+    with Served(max_support=1024) as server:
+        for path in HONOURED:
+            for fields in ({"bregman_top_k": 1025}, {"vllm_xargs": {"bregman_k_max": 5000}},
+                           {"bregman_lambda": 1e-100, "bregman_k_max": 2**31 - 1}):
+                key = next(k for k in ("bregman_top_k", "bregman_k_max")
+                           if k in fields or k in fields.get("vllm_xargs", {}))
+                error = assert_openai_error(server.post(path, {"prompt": "x", **fields}), 400,
+                                            key)
+                assert "[1, 1024] on this server" in error["message"], error
+            attack = {"prompt": "x", "bregman_mode": "dual", "bregman_alpha": 10,
+                      "bregman_lambda": 1e-100}
+            received = server.post(path, attack).json()["received"]["vllm_xargs"]
+            assert received["bregman_k_max"] == 1024, path
+            within = {"prompt": "x", "bregman_top_k": 1024, "bregman_k_max": 7}
+            received = server.post(path, within).json()["received"]["vllm_xargs"]
+            assert (received["bregman_top_k"], received["bregman_k_max"]) == (1024, 7), path
+            off = server.post(path, {"prompt": "x", "bregman_mode": "off", "bregman_top_k": 5000})
+            assert off.status_code == 200 and "vllm_xargs" not in off.json()["received"], path
+    with Served(max_support=64, default_mode="primal") as server:  # the defaults, held too
+        received = server.post("/v1/completions", {"prompt": "x"}).json()["received"]
+        assert received["vllm_xargs"]["bregman_k_max"] == 64
+
+
+def test_server_defaults_above_the_largest_support_size_do_not_start() -> None:
+    """A deployment whose own defaults every request would be refused for cannot start; the
+    flag parses like every other setting, and the schema shows the limit as the sizes'
+    maximum and the k_max a request without one decodes with."""
+    from bregman_server.openapi import bregman_properties
+    from pydantic import ValidationError
+
+    for defaults in ({"default_top_k": 65}, {"default_k_max": 100}):
+        with pytest.raises(ValidationError, match="invalid server default"):
+            ServerSettings(max_support=64, **defaults)
+    with pytest.raises(ValidationError):
+        ServerSettings(max_support=0)
+    settings, _ = parse_args(["--model", "m", "--max-support", "4096"])
+    assert settings.max_support == 4096
+    properties = bregman_properties(settings)
+    for key in ("bregman_top_k", "bregman_k_max"):
+        assert properties[key]["anyOf"][0]["maximum"] == 4096
+        assert "At most 4096 on this server." in properties[key]["description"]
+    assert properties["bregman_k_max"]["default"] == 4096
+    assert properties["bregman_top_k"]["default"] is None
+    unlimited = bregman_properties(ServerSettings())
+    assert unlimited["bregman_k_max"]["anyOf"][0]["maximum"] == 2**31 - 1
+
+
 # --- bodies read as vLLM reads them (issue 19, finding 1) ---------------------------------------
 
 FINDING_1 = {"model": "m", "prompt": "Once upon a time", "max_tokens": 4, "logprobs": 5,
