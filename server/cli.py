@@ -39,7 +39,7 @@ from .settings import ServerSettings
 #: Fields shown in argparse groups, by the comment headings of `ServerSettings`.
 _GROUPS = {
     "server-wide Bregman defaults (a request's own fields win; \"off\" leaves requests that "
-    "send no bregman field untouched)": (
+    "send no bregman field untouched) and the largest support size": (
         "default_mode", "default_alpha", "default_lambda", "default_top_k", "default_k_max",
         "max_support"),
     "limits and timeouts (clients)": (

@@ -552,3 +552,67 @@ def test_the_next_probe_starts_from_inner_unknowns_moved_to_second_order(monkeyp
         assert torch.allclose(solved.s, target.s, rtol=0, atol=1e-12)
         passes[name] = count[0]
     assert passes["second order"] < passes["first order"], passes
+
+
+def test_a_round_is_no_wider_than_its_rows_sizes_need(monkeypatch):
+    """Candidate rounds grow 8x, up to the whole row, but no wider than the widest k_max or
+    fixed k among the rows left (`exact._widest`): rows capped at 200, which the step hands over
+    with k* >= 64 known, decode in one round of 200 (it was 512; the server's `--max-support`
+    gives every request such a cap), with
+    the k* and the values of a decode whose rounds are not cut (checked against the same call
+    with one round of the whole row); a row whose k* is known to be its k_max (the width of a
+    round) still gets a wider round, and finishes."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 4096, generator=g) * 0.3  # flat: k* in the thousands uncapped
+    widths: list[int] = []
+    real = exact.candidates
+
+    def recorded(scores, width, **kwargs):
+        widths.append(width)
+        return real(scores, width, **kwargs)
+
+    monkeypatch.setattr(exact, "candidates", recorded)
+    _, k = bregman_decode_logits(logits, alpha=3.0, lam=1e-12, k_max=200, return_k=True)
+    assert widths == [200] and torch.equal(k, torch.full_like(k, 200)), (widths, k)
+    mixed = dict(alpha=3.0, lam=torch.tensor([1e-12, 1e-12, 1e-12, 0.05]),
+                 k_max=torch.tensor([200, 100, 150, 0]))
+    widths.clear()
+    out_mixed, k_mixed = bregman_decode_logits(logits, **mixed, return_k=True)
+    assert widths[-1] <= 512 and max(widths) == widths[-1], widths
+    monkeypatch.setattr(exact, "INITIAL_CANDIDATES", 4096)  # one round, the whole row
+    whole, k_whole = bregman_decode_logits(logits, **mixed, return_k=True)
+    assert torch.equal(k_mixed, k_whole)
+    torch.testing.assert_close(out_mixed, whole, rtol=0, atol=1e-6)
+    monkeypatch.undo()
+    # k* known to be 64 = k_max = the first round's width: the next round is 65 wide.
+    plan = exact.exact_plan("primal", torch.tensor([3.0], dtype=F64), torch.tensor([1e-12],
+                            dtype=F64), torch.tensor([0]), torch.tensor([64]))
+    scores = logits[:1].clone()
+    k_out = torch.zeros(1, dtype=torch.long)
+    exact.decode_exact(scores, k_out, logits[:1], plan, logits=True, low=torch.tensor([64]))
+    assert int(k_out) == 64 and int(torch.isfinite(scores).sum()) == 64
+
+
+@pytest.mark.parametrize("width", [100, 192, 512, 700])
+def test_a_wide_round_takes_one_top_k_on_a_cpu_with_the_same_candidates(width, monkeypatch):
+    """On a CPU a round that would gather a quarter of the row or more again takes one plain
+    top-k instead (`candidates.PLAIN_TOP_K_FRACTION`): the same candidates and deficits, to the
+    rounding of the mass left outside (summed in another order), as the two-stage selection's
+    (still what other devices run), on logits and on probabilities with ties."""
+    from bregman_vllm.core import candidates as module
+
+    g = torch.Generator().manual_seed(width)
+    logits = torch.randn(3, 49152, generator=g) * torch.tensor([[0.3], [3.0], [8.0]])
+    probs = torch.softmax(logits, -1)
+    probs[0, :300] = probs[0, 0]  # ties across the selection's edge
+    for scores, is_logits in ((logits, True), (probs, False)):
+        plain = module.candidates(scores, width, logits=is_logits)
+        monkeypatch.setattr(module, "PLAIN_TOP_K_FRACTION", {})
+        blocks = module.candidates(scores, width, logits=is_logits)
+        monkeypatch.undo()
+        # (x is normalized by the mass inside plus the mass outside, summed in another order)
+        torch.testing.assert_close(plain.x, blocks.x, rtol=1e-6, atol=0)
+        torch.testing.assert_close(plain.deficit, blocks.deficit, rtol=1e-6, atol=0)
+        for row in (1, 2):  # no ties: the same entries (a tie may be broken either way)
+            assert torch.equal(plain.index[row].sort().values, blocks.index[row].sort().values)
+        assert torch.equal(plain.valid, blocks.valid) and torch.equal(plain.known, blocks.known)

@@ -95,10 +95,12 @@ def test_first_true_is_the_first_flagged_position_or_the_fill():
 @pytest.fixture
 def gpu_ops(monkeypatch):
     """The ops the torch step runs on a GPU (`candidates.SOFTMAX_NORMALIZER`,
-    `write.READ_WRITE_FILL` name the CPU's faster choices), counted here on the CPU."""
+    `candidates.PLAIN_TOP_K_FRACTION`, `write.READ_WRITE_FILL` name the CPU's faster choices),
+    counted here on the CPU."""
     from bregman_vllm.core import candidates, write
 
     monkeypatch.setattr(candidates, "SOFTMAX_NORMALIZER", {})
+    monkeypatch.setattr(candidates, "PLAIN_TOP_K_FRACTION", {})
     monkeypatch.setattr(write, "READ_WRITE_FILL", {})
 
 

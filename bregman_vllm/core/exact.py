@@ -940,9 +940,21 @@ def _decode_rows(scores: Tensor, plan: ExactPlan, sink: _Sink, pending: Tensor, 
             again = _round(scores, plan, now[start:start + piece], width, low, sink, scale)
             later = torch.cat([later, again])
         pending = torch.sort(later).values
-        width *= _GROWTH
-        if width * _FULL_SORT_FRACTION >= vocab:  # a top-k that large costs about a full sort
-            width = vocab
+        grown = width * _GROWTH
+        if grown * _FULL_SORT_FRACTION >= vocab:  # a top-k that large costs about a full sort
+            grown = vocab
+        # No wider than the rows' sizes need (a k_max, a fixed k: every row then finishes), and
+        # wider than this round (a row whose k* is known to be its k_max, this round's width).
+        if pending.numel():
+            width = min(vocab, max(min(grown, _widest(plan, pending, vocab)), width + 1))
+
+
+def _widest(plan: ExactPlan, rows: Tensor, vocab: int) -> int:
+    """The most candidates any of ``rows`` needs: its fixed k, else its k_max, else the whole
+    row (one host read)."""
+    need = torch.where(plan.fixed_k[rows] > 0, plan.fixed_k[rows],
+                       torch.where(plan.k_max[rows] > 0, plan.k_max[rows], vocab))
+    return min(int(need.max()), vocab)
 
 
 def _round(scores: Tensor, plan: ExactPlan, now: Tensor, width: int, low: Tensor, sink: _Sink,
