@@ -927,6 +927,7 @@ def _decode_rows(scores: Tensor, plan: ExactPlan, sink: _Sink, pending: Tensor, 
     """
     vocab = scores.shape[-1]
     width = min(max(INITIAL_CANDIDATES, 2), vocab)
+    widest = _widest(plan, pending, vocab)
     while pending.numel():
         if width < vocab:
             # Rows that need more candidates than this round has (a fixed k larger than its
@@ -945,13 +946,14 @@ def _decode_rows(scores: Tensor, plan: ExactPlan, sink: _Sink, pending: Tensor, 
             grown = vocab
         # No wider than the rows' sizes need (a k_max, a fixed k: every row then finishes), and
         # wider than this round (a row whose k* is known to be its k_max, this round's width).
-        if pending.numel():
-            width = min(vocab, max(min(grown, _widest(plan, pending, vocab)), width + 1))
+        width = min(vocab, max(min(grown, widest), width + 1))
 
 
 def _widest(plan: ExactPlan, rows: Tensor, vocab: int) -> int:
     """The most candidates any of ``rows`` needs: its fixed k, else its k_max, else the whole
-    row (one host read)."""
+    row (one host read, once per call: a server's `--max-support` caps every row)."""
+    if not rows.numel():
+        return vocab
     need = torch.where(plan.fixed_k[rows] > 0, plan.fixed_k[rows],
                        torch.where(plan.k_max[rows] > 0, plan.k_max[rows], vocab))
     return min(int(need.max()), vocab)
