@@ -16,7 +16,8 @@ ratios to ``torch.softmax`` over the same [B, V] tensor:
   with ``--baseline`` the old core's time and counts (issue 18);
 * the exact path's floor (``--only floor``): for the worst cases of issue 25, the output map
   T_k* alone (k* given, from cold, on the rows already sorted: what any exact path pays after
-  its sort and search) beside the whole call and a full ``torch.sort`` of the same rows.
+  its sort and search) beside the whole call and a full ``torch.sort`` of the same rows, and
+  the call with the k_max of ``--floor-caps`` (what a server's ``--max-support`` makes of it).
 
 Targets (this CPU): adaptive primal alpha = 1.5 at [64, 128256] within 3x one softmax pass; dual
 within 6x.
@@ -566,8 +567,10 @@ def floor_table(args, device: str) -> None:
     print(f"\nthe exact path's floor at [{batch}, {vocab}] (median ms, calls alternating; "
           f"map: T_k* alone with k* given, from cold, on the rows already sorted in float64: any "
           f"exact path pays at least a sort plus the map)")
+    caps = args.floor_caps
     print(f"{'case':<40} {'k* median':>9} {'sort ms':>8} {'map ms':>8} {'call ms':>8} "
-          f"{'map x sort':>10} {'call x sort':>11} {'call x map':>10}")
+          f"{'map x sort':>10} {'call x sort':>11} {'call x map':>10}"
+          + "".join(f" {f'k_max={cap} x sort':>17}" for cap in caps))
     for kind, kwargs in FLOOR_CASES:
         logits = inputs[kind]
         _, k = bregman_decode_logits(logits, return_k=True, **kwargs)
@@ -581,14 +584,16 @@ def floor_table(args, device: str) -> None:
                        mode=kwargs["mode"]) -> torch.Tensor:
             return log_renorm(family, mode, log_p, k, alpha, log_deficit)
 
-        sort, solve, call = _side_by_side(
+        capped = [lambda logits=logits, kwargs=kwargs, cap=cap: bregman_decode_logits(
+            logits, k_max=cap, **kwargs) for cap in caps]  # (a server's --max-support)
+        sort, solve, call, *limited = _side_by_side(
             [lambda logits=logits: torch.sort(logits, -1, descending=True), output_map,
-             lambda logits=logits, kwargs=kwargs: bregman_decode_logits(logits, **kwargs)],
-            device, max(1, args.repeats // 2))
+             lambda logits=logits, kwargs=kwargs: bregman_decode_logits(logits, **kwargs),
+             *capped], device, max(1, args.repeats // 2))
         name = f"{kind} {kwargs['mode']} a={kwargs['alpha']:g} lam={kwargs['lam']:g}"
         print(f"{name:<40} {int(k.median()):9d} {sort * 1e3:8.1f} {solve * 1e3:8.1f} "
-              f"{call * 1e3:8.1f} {solve / sort:10.2f} {call / sort:11.2f} {call / solve:10.2f}",
-              flush=True)
+              f"{call * 1e3:8.1f} {solve / sort:10.2f} {call / sort:11.2f} {call / solve:10.2f}"
+              + "".join(f" {seconds / sort:17.2f}" for seconds in limited), flush=True)
 
 
 #: The sweep's grid (``--only sweep``): per mode, alphas across the accepted range, and for each
@@ -691,6 +696,9 @@ def main() -> None:
     parser.add_argument("--extremes-shape", default="64x49152",
                         help="BxV of the extreme-parameter table")
     parser.add_argument("--sweep-shape", default="8x49152", help="BxV of the parameter sweep")
+    parser.add_argument("--floor-caps", type=int, nargs="*", default=[4096, 1024],
+                        help="--only floor: also each case with these k_max (a server's "
+                             "--max-support)")
     parser.add_argument("--baseline", metavar="REV",
                         help="ratio tables: also time the core of git revision REV, "
                              "interleaved (e.g. 3ef72a5, the core before the fixed-shape step)")

@@ -426,6 +426,12 @@ def _shaped_start(lp: Tensor, finite: Tensor, mask: Tensor, beta: Tensor, log_de
             value / b) / b
         return torch.log(added) - log_deficit, slope / added, torch.full_like(value, 1e-6)
 
+    # [low, high] brackets the exact equation's root, not always this one's (the shaped inner
+    # roots are approximations): where this root lies past an end (a large deficit: k_max far
+    # below k*), that end is the start, at once (Newton would bisect towards it for 100 steps).
+    past_low, past_high = equation(low)[0] >= 0, equation(high)[0] <= 0
+    s = torch.where(past_low, low, torch.where(past_high, high, s))
+    low, high = torch.where(past_high, high, low), torch.where(past_low, low, high)
     s = safeguarded_newton(equation, s, low, high)
     return s, _shaped_inner(beta, s.unsqueeze(-1) - beta * lp)
 

@@ -42,17 +42,19 @@ def safeguarded_newton(evaluate: Callable[[Tensor], Evaluation], x: Tensor, low:
     """Root of an increasing F with F(low) <= 0 <= F(high), elementwise.
 
     ``evaluate(x)`` returns (F(x), F'(x)) or (F(x), F'(x), tolerance). A Newton step that leaves
-    the bracket (or is not finite) bisects instead; an element stops once `converged`. When F is
-    convex and the start has F >= 0, the iterates decrease monotonically. ``moved(old, new)``
-    runs after every update (e.g. to warm-start an inner solve).
+    the bracket (or is not finite) bisects instead; an element stops once `converged`, or at
+    once where the bracket is closed (low = high = x: a caller's answer given in advance). When
+    F is convex and the start has F >= 0, the iterates decrease monotonically.
+    ``moved(old, new)`` runs after every update (e.g. to warm-start an inner solve).
     """
     previous = torch.full_like(x, math.inf)
+    closed = high <= low
     for _ in range(MAX_ITERATIONS):
         evaluation = evaluate(x)
         value, slope = evaluation[0], evaluation[1]
         tolerance = evaluation[2] if len(evaluation) > 2 else NEWTON_TOLERANCE
         step = value / slope
-        done = converged(value, previous, step, x, tolerance)
+        done = converged(value, previous, step, x, tolerance) | closed
         previous = value
         if bool(done.all()):
             break
