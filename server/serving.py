@@ -37,7 +37,6 @@ logger = logging.getLogger("bregman_server")
 WATCH_INTERVAL = 0.2
 
 
-
 async def run_lifecycle(lifecycle: Lifecycle, settings: ServerSettings, app: Any) -> None:
     """Steps 1-3 of the module docstring, for the uvicorn server that vLLM's launcher put in
     ``app.state.server``; nothing for an app served otherwise (the tests' stand-in servers,
