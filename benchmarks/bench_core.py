@@ -556,7 +556,7 @@ def floor_table(args, device: str) -> None:
     rows, the output map alone (T_k* on the sorted whole row with k* given, from cold: the
     solve every exact path ends with, its search aside) and the whole call, side by side."""
     from bregman_vllm.core.candidates import candidates
-    from bregman_vllm.core.exact import log_renorm
+    from bregman_vllm.core.exact import _renorm_at
     from bregman_vllm.core.plan import rows_family
 
     batch, vocab = (int(x) for x in args.extremes_shape.lower().split("x"))
@@ -577,12 +577,10 @@ def floor_table(args, device: str) -> None:
         alpha = torch.full((batch,), kwargs["alpha"], dtype=torch.float64, device=device)
         family = rows_family(kwargs["mode"], alpha.tolist(), False)
         cand = candidates(logits, vocab, logits=True)  # the sorted rows, float64 (not timed)
-        log_p = cand.log_x[:, :int(k.max())]
-        log_deficit = torch.log(torch.gather(cand.deficit, 1, (k - 1).unsqueeze(-1))).squeeze(-1)
 
-        def output_map(log_p=log_p, k=k, alpha=alpha, family=family, log_deficit=log_deficit,
-                       mode=kwargs["mode"]) -> torch.Tensor:
-            return log_renorm(family, mode, log_p, k, alpha, log_deficit)
+        def output_map(cand=cand, k=k, alpha=alpha, family=family, mode=kwargs["mode"]
+                       ) -> torch.Tensor:  # (log T_k on the first max(k) columns, the path's)
+            return _renorm_at(family, mode, cand, k, alpha)
 
         capped = [lambda logits=logits, kwargs=kwargs, cap=cap: bregman_decode_logits(
             logits, k_max=cap, **kwargs) for cap in caps]  # (a server's --max-support)
