@@ -487,9 +487,7 @@ class BregmanParams:
                 raise BregmanParamError(
                     key, f"must be an integer in [1, {max_support}] on this server (its largest "
                     f"support size), got {value}")
-        if self.k_max is not None or not self.enabled:
-            return self
-        return replace(self, k_max=max_support)
+        return self if self.k_max is not None else replace(self, k_max=max_support)
 
     def to_request(self) -> dict[str, Any]:
         """The ``bregman_*`` keys for ``vllm_xargs`` / ``SamplingParams.extra_args``.

@@ -129,13 +129,13 @@ class ServerSettings(BaseSettings):
     def default_request_values(self) -> dict[str, Any]:
         """The defaults as JSON values, for the OpenAPI schema ("inf" for infinite alpha)."""
         alpha = float(self.default_alpha)
+        held = self.bregman_defaults().within(self.max_support)  # (k_max: the limit, if unset)
         return {
             "bregman_mode": self.default_mode,
             "bregman_alpha": alpha if math.isfinite(alpha) else ("inf" if alpha > 0 else "-inf"),
             "bregman_lambda": self.default_lambda,
-            "bregman_top_k": self.default_top_k,
-            "bregman_k_max": self.default_k_max if self.default_k_max is not None
-            else self.max_support,
+            "bregman_top_k": held.top_k,
+            "bregman_k_max": held.k_max,
         }
 
 

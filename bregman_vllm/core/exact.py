@@ -954,8 +954,8 @@ def _widest(plan: ExactPlan, rows: Tensor, vocab: int) -> int:
     row (one host read, once per call: a server's `--max-support` caps every row)."""
     if not rows.numel():
         return vocab
-    need = torch.where(plan.fixed_k[rows] > 0, plan.fixed_k[rows],
-                       torch.where(plan.k_max[rows] > 0, plan.k_max[rows], vocab))
+    fixed, cap = plan.fixed_k[rows], plan.k_max[rows]
+    need = torch.where(fixed > 0, fixed, torch.where(cap > 0, cap, vocab))
     return min(int(need.max()), vocab)
 
 
