@@ -214,17 +214,23 @@ def precise_decode(p: Sequence[float], a: float, lam: float, mode: str, *, top_k
             if deficit <= mpmath.mpf(10) ** (8 - mpmath.mp.dps) or A == 1:
                 return [v / sum(x) for v in x]
             top = max(x)
-            if mode == "primal" and A > 1:  # q^b = v^b + c^b: bisection on the level c
+            if mode == "primal" and A > 1:  # q^b = v^b + c^b: bisection on log c
+                # Next to alpha = 1 the level is tiny (about e^-7000 at alpha = 1.001): a
+                # bisection on c in [0, 1] never reaches it. log c is bracketed by the levels at
+                # which each entry alone would take the mean share of the deficit (every other
+                # entry then takes less, resp. more).
                 b = A - 1
-                low, high = zero, one
-                for _ in range(steps):
+                share = deficit / len(x)
+                ends = [mpmath.log((v + share) ** b - v**b) / b for v in x]
+                low, high = min(ends), max(ends)
+                for _ in range(2 * steps):
                     middle = (low + high) / 2
-                    if sum((v**b + middle**b) ** (1 / b) for v in x) > 1:
+                    if sum((v**b + mpmath.exp(b * middle)) ** (1 / b) for v in x) > 1:
                         high = middle
                     else:
                         low = middle
-                c = (low + high) / 2
-                q = [(v**b + c**b) ** (1 / b) for v in x]
+                c_b = mpmath.exp(b * (low + high) / 2)
+                q = [(v**b + c_b) ** (1 / b) for v in x]
             elif mode == "primal":  # b < 0: bisection on the image t of the largest entry
                 low, high = top, one
                 for _ in range(steps):
