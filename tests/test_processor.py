@@ -13,6 +13,7 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -105,6 +106,71 @@ def test_processed_distribution_is_bregman_decoding_of_the_raw_one(llm, bregman,
         assert (got - want.probs).abs().max() < 1e-4
         assert int((got > 0).sum()) == int(want.k)  # support size = k*
         assert want.probs[sampled] > 0  # the sampled token is in the top-k* set
+
+
+#: One request per family, all in one engine run (one batch, rows moving as they finish):
+#: alpha below 1, next to 1, 3/2, 2, 3, large, +-inf; primal and dual; fixed k and k_max;
+#: lambdas that put k* in the first window on peaked steps and in the hundreds on flat ones;
+#: temperatures other than 1.
+REFERENCE_REQUESTS = [
+    ({"bregman_alpha": 0.5, "bregman_lambda": 0.05}, 1.0),
+    ({"bregman_alpha": 1.0, "bregman_lambda": 1e-4}, 1.0),
+    ({"bregman_alpha": 1.05, "bregman_lambda": 1e-3}, 0.8),
+    ({"bregman_alpha": 1.5, "bregman_lambda": 1e-6}, 1.3),
+    ({"bregman_alpha": 2.0, "bregman_lambda": 1e-2}, 1.0),
+    ({"bregman_alpha": 3.0, "bregman_lambda": 1e-9}, 0.7),
+    ({"bregman_alpha": 20.0, "bregman_lambda": 1e-40}, 1.0),
+    ({"bregman_alpha": 3.0, "bregman_lambda": 1e-9, "bregman_k_max": 100}, 1.0),
+    ({"bregman_mode": "dual", "bregman_alpha": 1.5, "bregman_lambda": 1e-5}, 1.0),
+    ({"bregman_mode": "dual", "bregman_alpha": 3.0, "bregman_lambda": 1e-3,
+      "bregman_k_max": 30}, 1.2),
+    ({"bregman_mode": "dual", "bregman_alpha": 10.0, "bregman_lambda": 1e-12}, 1.0),
+    ({"bregman_alpha": "inf", "bregman_top_k": 300}, 1.0),
+    ({"bregman_alpha": "-inf", "bregman_top_k": 10}, 0.9),
+    ({"bregman_mode": "dual", "bregman_alpha": 3.0, "bregman_top_k": 200}, 1.0),
+]
+
+
+def test_processed_distributions_match_the_independent_reference(llm):
+    """Every family through the processor in a real engine against the float64 reference
+    written from the paper alone (`tests/reference_search.py`, no code of ours), on the
+    plain distribution of the same step (temperature applied, as the processor sees it):
+    the support size (a token counts as kept above -9000: processed logprobs report tokens
+    outside the support at -9999) and q entry by entry, relative (float32 engine: 1e-4)."""
+    from tests import reference_search as rs
+    from tests.test_reference_search import compare
+
+    vocab = vocab_size(llm)
+    params = [sampling(temperature=t, max_tokens=3, logprobs=-1, seed=20 + i, extra_args=e)
+              for i, (e, t) in enumerate(REFERENCE_REQUESTS)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    prefixes, steps = [], []
+    for out, (extra, temperature) in zip(outputs, REFERENCE_REQUESTS, strict=True):
+        tokens = list(out.outputs[0].token_ids)
+        for t in range(len(tokens)):
+            prefixes.append((out.prompt_token_ids + tokens[:t], temperature))
+            steps.append((out.outputs[0].logprobs[t], extra))
+    plain = llm.generate([{"prompt_token_ids": ids} for ids, _ in prefixes],
+                         [sampling(temperature=t, max_tokens=1, logprobs=-1)
+                          for _, t in prefixes], use_tqdm=False)
+    sizes = []
+    for (processed, extra), reference in zip(steps, plain, strict=True):
+        log_p = dense(reference.outputs[0].logprobs[0], vocab).numpy()
+        alpha = extra["bregman_alpha"]
+        alpha = float(alpha) if not isinstance(alpha, str) else \
+            math.copysign(math.inf, -1.0 if alpha.startswith("-") else 1.0)
+        lam = extra.get("bregman_lambda", 0.0)
+        want = rs.decode(log_p[None], alpha, lam, extra.get("bregman_mode", "primal"),
+                         top_k=extra.get("bregman_top_k"), k_max=extra.get("bregman_k_max"))
+        got = dense(processed, vocab)
+        kept = got > -9000.0
+        q = torch.where(kept, got.exp(), 0.0).numpy()
+        compare(q[None], np.array([int(kept.sum())]), want, lam, rtol=1e-4, tie=1e-4,
+                label=str(extra))
+        sizes.append(int(want.k[0]))
+    # The lambdas reach both ends of the window: supports of a few tokens and of hundreds.
+    assert min(sizes) < 64 < max(sizes), sizes
 
 
 def _model_runner(llm):
@@ -264,6 +330,7 @@ def test_mixed_batch_with_requests_arriving_and_finishing_at_different_steps(llm
     pending = list(requests)
     completions: dict[str, dict[int, object]] = {}
     prompts: dict[str, str] = {}
+    prompt_ids: dict[str, list[int]] = {}
     steps = 0
     while pending or engine.has_unfinished_requests():
         if pending and steps % 2 == 0:  # one new request every other step
@@ -271,6 +338,7 @@ def test_mixed_batch_with_requests_arriving_and_finishing_at_different_steps(llm
             prompts[name] = PROMPTS[steps % len(PROMPTS)]
             engine.add_request(name, {"prompt": prompts[name]}, params)
         for output in engine.step():
+            prompt_ids[output.request_id] = list(output.prompt_token_ids)
             for completion in output.outputs:  # n > 1 reports each child as it finishes
                 if completion.finish_reason is not None:
                     completions.setdefault(output.request_id, {})[completion.index] = completion
@@ -290,6 +358,35 @@ def test_mixed_batch_with_requests_arriving_and_finishing_at_different_steps(llm
     assert set(supports("n2")) == {2} and set(completions["n2"]) == {0, 1}
     assert min(supports("plain")) > 100  # untouched: the full vocabulary
     assert max(supports("adaptive")) < vocab
+    # Content: every step of the requests with logprobs is its own parameters' decoding of
+    # the plain distribution of that step (the independent reference, tests/reference_search),
+    # whatever rows moved around it.
+    from tests import reference_search as rs
+
+    configs = dict(requests)
+    checked = []
+    for name in ("top3", "dual7", "n2", "adaptive"):
+        params = configs[name]
+        extra = params.extra_args
+        for completion in completions[name].values():
+            tokens = list(completion.token_ids)
+            plain = llm.generate(
+                [{"prompt_token_ids": prompt_ids[name] + tokens[:t]} for t in range(len(tokens))],
+                sampling(temperature=params.temperature, max_tokens=1, logprobs=-1),
+                use_tqdm=False)
+            for step, reference in zip(completion.logprobs, plain, strict=True):
+                log_p = dense(reference.outputs[0].logprobs[0], vocab).numpy()
+                want = rs.decode(log_p[None], extra["bregman_alpha"],
+                                 extra.get("bregman_lambda", 0.0),
+                                 extra.get("bregman_mode", "primal"),
+                                 top_k=extra.get("bregman_top_k"))
+                got = dense(step, vocab)
+                q = torch.where(got > -9000.0, got.exp(), 0.0).numpy()
+                assert int((q > 0).sum()) == int(want.k[0]), name
+                on = want.q[0] > 0
+                assert np.max(np.abs(q[on] - want.q[0][on]) / want.q[0][on]) < 1e-4, name
+                checked.append(name)
+    assert set(checked) == {"top3", "dual7", "n2", "adaptive"}
     assert first("greedy").token_ids == llm.generate(
         [prompts["greedy"]], sampling(temperature=0.0, max_tokens=25),
         use_tqdm=False)[0].outputs[0].token_ids
