@@ -40,6 +40,8 @@ from bregman_vllm.core.step import decode_step
 from bregman_vllm.diagnostics import MIXED_FAMILIES, DispatchCounter
 from bregman_vllm.params import BregmanParams
 
+from .v2_state import v2_request_state
+
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana-dashboard.json"
 BATCH, VOCAB = 32, 4096
@@ -79,10 +81,9 @@ def v1_processor(configs: list[dict | None]) -> BregmanLogitsProcessor:
 
 
 def v2_processor(configs: list[dict | None]) -> tuple[BregmanLogitsProcessor, LogitsContext]:
-    """V2 with vLLM's own LogitsContext; req_states stood in by the attributes read (Model
-    Runner V2 itself needs CUDA)."""
-    proc = BregmanLogitsProcessor(EngineConfig(), SimpleNamespace(
-        device=torch.device("cpu"), vocab_size=VOCAB, max_num_reqs=BATCH))
+    """V2 with vLLM's own LogitsContext and request state (built on the CPU:
+    `tests/v2_state.py`)."""
+    proc = BregmanLogitsProcessor(EngineConfig(), v2_request_state(BATCH, VOCAB))
     for slot in range(BATCH):
         proc.add_request(slot, SamplingParams(temperature=0.8,
                                               extra_args=configs[slot % len(configs)]))

@@ -38,6 +38,8 @@ from bregman_vllm.core.exact import decode_exact, exact_plan
 from bregman_vllm.core.step import step_memory_bound
 from bregman_vllm.diagnostics import MIXED_FAMILIES, DispatchCounter, MemoryTracker
 
+from .v2_state import v2_request_state
+
 BATCH, VOCAB = 64, 32000
 
 
@@ -287,10 +289,9 @@ def v1_processor(configs: list[dict]) -> BregmanLogitsProcessor:
 
 def v2_processor(configs: list[dict], temperature: float = 0.8
                  ) -> tuple[BregmanLogitsProcessor, LogitsContext]:
-    """The V2 interface with vLLM's own LogitsContext; req_states is stood in by the three
-    attributes the processor reads (Model Runner V2 itself needs CUDA)."""
-    proc = BregmanLogitsProcessor(EngineConfig(), SimpleNamespace(
-        device=torch.device("cpu"), vocab_size=VOCAB, max_num_reqs=BATCH))
+    """The V2 interface with vLLM's own LogitsContext and request state (built on the CPU:
+    `tests/v2_state.py`)."""
+    proc = BregmanLogitsProcessor(EngineConfig(), v2_request_state(BATCH, VOCAB))
     for slot in range(BATCH):
         config = configs[slot % len(configs)]
         proc.add_request(slot, SamplingParams(temperature=temperature,
@@ -584,21 +585,32 @@ def test_the_exact_paths_launches_and_syncs_stay_within_their_counts(name):
     ("flat", dict(alpha=1.5, lam=1e-9, mode="dual")),
     ("flat", dict(alpha=0.5, lam=1e-9)),
     ("flat", dict(alpha=1.5, lam=0.0)),  # lambda = 0: the whole support
-    ("flat", dict(alpha=3.0, lam=0.0, top_k=VOCAB)),  # a fixed top-k as wide as the vocabulary
     ("flat", dict(alpha=1.5, lam=0.0, top_k=20000, mode="dual")),
     # Four families in one joint pass, every row past the window (the exact path in place).
     ("flat", dict(alpha=torch.tensor([1.0, 1.5, 2.0, 3.0] * (BATCH // 4)), lam=1e-9)),
 ])
 def test_extra_memory_of_a_step_is_bounded(kind, kwargs):
+    assert _extra_memory(kind, kwargs) <= step_memory_bound(BATCH, VOCAB)
+
+
+def _extra_memory(kind: str, kwargs: dict) -> int:
+    """Peak bytes a public call holds beyond its output (which `step_memory_bound` leaves
+    out: the processor writes in place), on [BATCH, VOCAB] logits."""
     scale = (3.0, 7.0) if kind == "peaked" else (0.3, 0.3)
     logits = realistic_logits(BATCH, VOCAB, seed=2, scale=scale)
     gc.collect()
     with MemoryTracker() as memory:
         out = bregman_decode_logits(logits, **kwargs)
+    return memory.peak - out.numel() * out.element_size()
+
+
+def test_the_memory_bound_is_within_ten_times_the_widest_step():
+    """A fixed top-k as wide as the vocabulary (every row through the chunked exact path)
+    holds at most the bound and at least a tenth of it: the bound is not loose by orders of
+    magnitude (measured: 0.7 of it, 2026-11-28)."""
     bound = step_memory_bound(BATCH, VOCAB)
-    assert memory.peak <= bound, (memory.peak, bound)
-    # The bound is not loose by orders of magnitude: every case holds at least the output.
-    assert memory.peak >= out.numel() * out.element_size()
+    extra = _extra_memory("flat", dict(alpha=3.0, lam=0.0, top_k=VOCAB))
+    assert bound / 10 <= extra <= bound, (extra, bound)
 
 
 def test_processor_reserves_the_bound_until_its_first_step():

@@ -186,12 +186,10 @@ def test_second_instance_for_the_same_engine_is_inactive():
 
 
 def test_model_runner_v2_interface():
-    """vLLM 0.32's Model Runner V2 (GPU with Triton only, so it cannot run here) loads processors
-    through its own interface: both loaders must accept the class, and under V2 the processor
-    sees unscaled logits in reordered rows. `req_states` is stood in by an object with the one
-    attribute the processor reads (`device`); `LogitsContext` is vLLM's real dataclass."""
-    from types import SimpleNamespace
-
+    """vLLM's Model Runner V2 loads processors through its own interface: both loaders must
+    accept the class, and under V2 the processor sees unscaled logits in reordered rows. The
+    request state and `LogitsContext` are vLLM's own (`tests/v2_state.py`; the whole runner
+    runs in `tests/test_processor_v2.py`)."""
     import numpy as np
     from vllm.v1.sample.logits_processor import _load_logitsprocs_plugins
     from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext
@@ -200,7 +198,9 @@ def test_model_runner_v2_interface():
     assert BregmanLogitsProcessor in _load_logitsprocs_plugins()
     assert BregmanLogitsProcessor in _load_v2_logitsprocs_plugins()
 
-    proc = BregmanLogitsProcessor(EngineConfig(), SimpleNamespace(device=torch.device("cpu")))
+    from .v2_state import v2_request_state
+
+    proc = BregmanLogitsProcessor(EngineConfig(), v2_request_state(8, VOCAB))
     requests = {
         5: SamplingParams(temperature=0.7, extra_args={"bregman_alpha": 1.5,
                                                        "bregman_lambda": 0.01}),
