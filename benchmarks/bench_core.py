@@ -33,7 +33,7 @@ each configuration of issue 10, one `bregman_decode_logits` call (the processor'
   (`bregman_vllm.diagnostics.DispatchCounter`, eager path);
 * ``peak MiB``: peak extra memory of one call, output included (CUDA: the allocator's peak;
   CPU: `bregman_vllm.diagnostics.MemoryTracker`), beside `step_memory_bound`;
-* ``check``: the largest |q - q64| against the float64 exact path on the CPU (`core.exact`),
+* ``check``: the largest |q - q64| against the float64 exact path on the CPU (`core.search`),
   and ``k`` whether every support size agrees.
 
 It needs torch alone (vLLM's top-p column is skipped without vLLM). On CUDA the calls run the
@@ -71,7 +71,7 @@ from collections.abc import Callable
 import torch
 
 from bregman_vllm import bregman_decode, bregman_decode_logits
-from bregman_vllm.core.exact import decode_exact, exact_plan
+from bregman_vllm.core.search import decode_exact, exact_plan
 from bregman_vllm.core.step import step_memory_bound
 from bregman_vllm.diagnostics import DispatchCounter, MemoryTracker
 
@@ -556,7 +556,7 @@ def floor_table(args, device: str) -> None:
     rows, the output map alone (T_k* on the sorted whole row with k* given, from cold: the
     solve every exact path ends with, its search aside) and the whole call, side by side."""
     from bregman_vllm.core.candidates import candidates
-    from bregman_vllm.core.exact import _renorm_at
+    from bregman_vllm.core.maps import log_deficit, log_renorm
     from bregman_vllm.core.plan import rows_family
 
     batch, vocab = (int(x) for x in args.extremes_shape.lower().split("x"))
@@ -580,7 +580,9 @@ def floor_table(args, device: str) -> None:
 
         def output_map(cand=cand, k=k, alpha=alpha, family=family, mode=kwargs["mode"]
                        ) -> torch.Tensor:  # (log T_k on the first max(k) columns, the path's)
-            return _renorm_at(family, mode, cand, k, alpha)
+            width = int(k.max())
+            return log_renorm(family, mode, cand.log_x[:, :width], k, alpha,
+                              log_deficit(cand, k))
 
         capped = [lambda logits=logits, kwargs=kwargs, cap=cap: bregman_decode_logits(
             logits, k_max=cap, **kwargs) for cap in caps]  # (a server's --max-support)

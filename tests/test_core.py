@@ -17,9 +17,10 @@ import torch
 
 from bregman_vllm import bregman_decode, bregman_decode_logits, renormalize
 from bregman_vllm.core.dual import dual_log_renorm
-from bregman_vllm.core.exact import decode_exact, exact_plan, log_renorm, renorm_rows
 from bregman_vllm.core.families import Family
+from bregman_vllm.core.maps import log_renorm, renorm_rows
 from bregman_vllm.core.primal import newton_log_renorm, support_mask, three_halves_log_renorm
+from bregman_vllm.core.search import decode_exact, exact_plan
 
 from . import reference as ref
 from . import reference_search as rs

@@ -33,7 +33,7 @@ from bregman_vllm import bregman_decode, bregman_decode_logits, kernels
 from bregman_vllm import engine_metrics as em
 from bregman_vllm.adapter import telemetry
 from bregman_vllm.adapter.processor import BregmanLogitsProcessor, request_params
-from bregman_vllm.core import exact
+from bregman_vllm.core import search
 from bregman_vllm.core.plan import plan_requests
 from bregman_vllm.core.step import decode_step
 from bregman_vllm.diagnostics import DispatchCounter
@@ -225,7 +225,7 @@ def test_an_exact_path_failure_leaves_the_window_answer(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("simulated failure of the exact path")
 
-    monkeypatch.setattr(exact, "decode_exact", broken)
+    monkeypatch.setattr(search, "decode_exact", broken)
     out = scores.clone()
     with pytest.raises(RuntimeError) as caught:
         decode_step(out, plan_of(configs, 1024), logits=True, inplace=True, backend="triton")

@@ -24,8 +24,8 @@ from typing import NamedTuple
 import torch
 
 from ..params import BregmanParamError, parse_mode
-from .exact import log_renorm
 from .generators import BregmanGenerator
+from .maps import log_renorm
 from .plan import Plan, make_plan
 from .step import decode_step
 

@@ -37,7 +37,7 @@ import torch
 
 from .families import Family
 from .numerics import logsumexp_masked
-from .primal import _normalized
+from .primal import normalized
 from .roots import NEWTON_TOLERANCE, Multiplier, converged, safeguarded_newton
 
 Tensor = torch.Tensor
@@ -199,6 +199,10 @@ JOINT_ITERATIONS = 30
 #: most, and the change of log q below which they stop.
 FAR_STEPS = 6
 FAR_TOLERANCE = 1e-6
+#: Newton steps of the inner equations at one multiplier (`dual_values`), at most, and the
+#: largest last step (in log q) after which they count as exact.
+INNER_STEPS = 30
+EXACT_STEP = 1e-8
 
 
 def _added_mass(lp: Tensor, finite: Tensor, mask: Tensor, u: Tensor, q: Tensor) -> Tensor:
@@ -341,17 +345,23 @@ def _joint_newton(lp: Tensor, finite: Tensor, mask: Tensor, beta: Tensor, log_de
     return out_s, out_z, done
 
 
-def _inner_steps(beta: Tensor, lp: Tensor, s: Tensor, z: Tensor, steps: int) -> Tensor:
+def _inner_steps(beta: Tensor, lp: Tensor, s: Tensor, z: Tensor, steps: int,
+                 tolerance: float = FAR_TOLERANCE) -> tuple[Tensor, Tensor]:
     """Newton steps of the inner equation at a fixed s, at most ``steps``, until none moves a
-    log q by more than `FAR_TOLERANCE` (values for a prediction, not to the rounding floor)."""
+    log q by more than ``tolerance`` (`FAR_TOLERANCE`: values for a prediction). Returns z
+    and, per row, whether its last step was within the tolerance."""
     target = s.unsqueeze(-1) - beta * lp
+    done = torch.zeros_like(s, dtype=torch.bool)
     for _ in range(steps):
         value, slope, u = _inner_terms(beta, z)
         step = (target - value) / slope
-        z = _inner_step(beta, lp, z, u, step, target, True)
-        if float((step * u).abs().max()) <= FAR_TOLERANCE:  # (d log q = u dz)
+        moves = (step * u).abs().amax(-1)  # (d log q = u dz)
+        biggest = float(moves.max())
+        z = _inner_step(beta, lp, z, u, step, target, biggest > 0.1)
+        done = moves <= tolerance
+        if biggest <= tolerance:
             break
-    return z
+    return z, done
 
 
 def _nested(lp: Tensor, finite: Tensor, mask: Tensor, beta: Tensor, log_deficit: Tensor,
@@ -496,23 +506,57 @@ def dual_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Ten
                                         beta[rows], log_deficit[rows], first[rows], again,
                                         low[rows], high[rows], None)
     if near < lp.shape[-1]:
-        z = torch.cat([z_near, _inner_steps(beta, lp[:, near:], s, z[:, near:], FAR_STEPS)], -1)
+        z = torch.cat([z_near, _inner_steps(beta, lp[:, near:], s, z[:, near:], FAR_STEPS)[0]],
+                      -1)
     else:
         z = z_near
     return values_at(lp, finite, beta, s, z)
 
 
-def values_at(lp: Tensor, finite: Tensor, beta: Tensor, s: Tensor, z: Tensor) -> Multiplier:
+def dual_range(lp: Tensor, finite: Tensor, beta: Tensor, log_deficit: Tensor, k: Tensor
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    """s = log nu of the support of size k: a lower bound, a start inside its bracket
+    (`_outer_bracket`), and an upper bound of every size's (size 1's, q_1 = 1)."""
+    mask = torch.arange(lp.shape[-1], device=lp.device) < k.unsqueeze(-1)
+    low, _, start = _outer_bracket(lp, finite, mask, beta, log_deficit, k)
+    return low, start, torch.log1p(-torch.exp(lp[:, 0]))
+
+
+def dual_values(lp: Tensor, finite: Tensor, beta: Tensor, s: Tensor, z: Tensor | None,
+                closed: Family | None = None, steps: int = INNER_STEPS
+                ) -> tuple[Multiplier, Tensor]:
+    """Every column's value at the multiplier s of eq. (5) (`roots.Multiplier`): the inner
+    roots by at most ``steps`` Newton steps from ``z`` (a start; None or NaN: the shaped
+    start, `_shaped_inner`), or the quadratic formulas (``closed``); and per row whether
+    they are exact: the last step moved no log q by more than `EXACT_STEP` (Newton's error
+    after it is about its square)."""
+    if closed is not None:
+        lift = _closed_lift(closed, lp, finite, s)
+        u = torch.where(finite, lift, 0.0)
+        rate = _inner_rate(beta, u, finite)
+        return (Multiplier(s, torch.where(finite, lp + u, lift), rate,
+                           _inner_curvature(beta, u, rate, finite), lift),
+                torch.ones_like(s, dtype=torch.bool))
+    target = s.unsqueeze(-1) - beta * lp
+    shaped = torch.minimum(_shaped_inner(beta, target), _inner_upper(beta, target))
+    z = shaped if z is None else torch.where(torch.isnan(z), shaped, z)  # (NaN: no start)
+    z, exact = _inner_steps(beta, lp, s, z, steps, EXACT_STEP)
+    return values_at(lp, finite, beta, s, z, curvature=False), exact
+
+
+def values_at(lp: Tensor, finite: Tensor, beta: Tensor, s: Tensor, z: Tensor,
+              curvature: bool = True) -> Multiplier:
     """Every column's value at the multiplier s from its inner unknown z (``lp``: log p, 0
-    where p = 0, whose q is nu^(1/beta); ``beta``: [n, 1])."""
+    where p = 0, whose q is nu^(1/beta); ``beta``: [n, 1]); without ``curvature``, zeros
+    for it."""
     u = torch.exp(z)
     log_q = torch.where(finite, lp + u, s.unsqueeze(-1) / beta)
     rate = _inner_rate(beta, u, finite)
-    return Multiplier(s, log_q, rate, _inner_curvature(beta, u, rate, finite),
-                      torch.where(finite, u, log_q), z)
+    bend = _inner_curvature(beta, u, rate, finite) if curvature else torch.zeros_like(rate)
+    return Multiplier(s, log_q, rate, bend, torch.where(finite, u, log_q), z)
 
 
 def dual_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Tensor, k: Tensor,
                     closed: Family | None = None) -> Tensor:
     """log T*_alpha on the support (`dual_multiplier`), normalized, -inf off it."""
-    return _normalized(dual_multiplier(log_p, mask, alpha, log_deficit, k, closed).log_q, mask)
+    return normalized(dual_multiplier(log_p, mask, alpha, log_deficit, k, closed).log_q, mask)

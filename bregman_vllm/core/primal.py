@@ -171,7 +171,7 @@ def top_values(lp: Tensor, finite: Tensor, beta: Tensor, delta: Tensor) -> Multi
                       torch.where(finite, lift, log_q))
 
 
-def _normalized(log_q: Tensor, mask: Tensor) -> Tensor:
+def normalized(log_q: Tensor, mask: Tensor) -> Tensor:
     """Mask and remove the last rounding of the constraint (|sum q - 1| <= 1e-14)."""
     log_q = log_q.masked_fill(~mask, -math.inf)
     return log_q - torch.logsumexp(log_q, -1, keepdim=True)
@@ -285,10 +285,47 @@ def primal_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
     return Multiplier(scalar, log_q, rate, beta.unsqueeze(-1) * rate * (1.0 - rate), lift)
 
 
+def level_range(top: Tensor, beta: Tensor, log_deficit: Tensor, k: Tensor
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """beta > 0: the water level tau = log c of the support of size k: a lower bound, log(R/k)
+    for beta >= 1 ((a^b + c^b)^(1/b) <= a + c) and log(beta R/k)/beta for beta < 1 (mean value
+    theorem); a start, the level at which q_1 is its KL value p_1 / S, or that lower bound if
+    above it; and the level of size 1 (q_1 = 1), an upper bound of every size's (``top``:
+    log p_1; [n] tensors)."""
+    log_ratio = log_deficit - torch.log(k.to(top.dtype))
+    low = torch.where(beta >= 1, log_ratio, (torch.log(beta) + log_ratio) / beta)
+    high = top + log_expm1(-beta * top) / beta
+    kl = top + log_expm1(-beta * torch.log1p(-torch.exp(log_deficit))) / beta
+    return low, torch.maximum(torch.minimum(kl, high), low), high
+
+
+def top_range(top: Tensor, log_deficit: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """beta < 0: log delta (delta = log q_1 - log p_1) of the support of size k: every entry's
+    ratio q_i / p_i is at most q_1 / p_1 (p_i <= p_1 in eq. (4)), so R <= S (e^delta - 1) and
+    delta >= -log S = -log(1 - R), a lower bound and a start (equal when every ratio is);
+    delta <= -log p_1 (q_1 <= 1), the value of size 1 (``top``: log p_1; [n] tensors)."""
+    low = torch.log(-torch.log1p(-torch.exp(log_deficit)))
+    return low, low, torch.log(-top)
+
+
+def primal_values(lp: Tensor, finite: Tensor, beta: Tensor, s: Tensor, up: bool) -> Multiplier:
+    """Every column's value at the scalar s of eq. (4) (`roots.Multiplier`), with rate and
+    curvature in s: ``up`` (beta > 0), s = tau, the water level (`level_values`); beta < 0,
+    s = log delta (`top_values`; delta spans orders of magnitude as the support grows).
+    ``beta``: [n, 1]."""
+    if up:
+        return level_values(lp, finite, beta, s)
+    delta = torch.exp(s)
+    values = top_values(lp, finite, beta, delta)
+    rate = values.rate * delta.unsqueeze(-1)
+    return values._replace(s=s, rate=rate, curvature=values.curvature * delta.unsqueeze(-1) ** 2
+                           + rate)
+
+
 def newton_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Tensor,
                       k: Tensor) -> Tensor:
     """log T_alpha on the support (`primal_multiplier`), normalized, -inf off it."""
-    return _normalized(primal_multiplier(log_p, mask, alpha, log_deficit, k).log_q, mask)
+    return normalized(primal_multiplier(log_p, mask, alpha, log_deficit, k).log_q, mask)
 
 
 #: Arguments: log p, support mask, log R, k.

@@ -44,7 +44,6 @@ from typing import NamedTuple
 import torch
 
 from .candidates import UNBOUNDED, Candidates, candidates, log_smallest, select
-from .exact import MEMORY_BUDGET, decode_exact, exact_plan
 from .families import CLOSED_GAP_FAMILIES, ITERATIVE_FAMILIES, Family
 from .plan import (
     ROW_DTYPES,
@@ -56,6 +55,7 @@ from .plan import (
     Plan,
     _to_device,
 )
+from .search import MEMORY_BUDGET, decode_exact, exact_plan
 from .window import (
     Decoded,
     closed_map,

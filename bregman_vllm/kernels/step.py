@@ -28,7 +28,7 @@ order:
 
 Four launches and no sync when every row's support fits the window (`core.rows.Layout.sync`
 False); otherwise the hand-off (`hand_off`) reads the flagged rows' slots once (one sync) and
-runs the torch exact path (`core.exact.decode_exact`) on those rows, grouped by family on the
+runs the torch exact path (`core.search.decode_exact`) on those rows, grouped by family on the
 host.
 
 Specialization: each kernel is compiled per (candidate width K, logits or probabilities,
@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core import exact
+from ..core import search
 from ..core.candidates import BLOCK, UNBOUNDED, _smallest, log_smallest
 from ..core.families import Family
 from ..core.plan import WIDE_WINDOW, WINDOW, Plan
@@ -530,7 +530,7 @@ def hand_off(out: Tensor, scores: Tensor, k: Tensor, space: _Workspace, table: R
              inplace: bool) -> tuple[int, int]:
     """The rows the kernels flagged (``needs``) through the torch exact path: the step's one
     sync reads which rows and their slots, then on the host they are grouped by family and
-    decoded by `exact.decode_exact` from the scores (still as given: the write kernel left
+    decoded by `search.decode_exact` from the scores (still as given: the write kernel left
     them), ``low`` giving the certified lower bounds on k*. Returns (rows the window could not
     certify, rows of the exact-path families). A device-side exact path replaces this
     function without a sync."""
@@ -560,9 +560,9 @@ def hand_off(out: Tensor, scores: Tensor, k: Tensor, space: _Workspace, table: R
         for key in np.unique(families * 4 + fixed * 2 + (modes - 1)):
             members = rows[(families * 4 + fixed * 2 + (modes - 1)) == key]
             family = FAMILIES[int(key) // 4]
-            plan = exact.exact_plan(MODES[int(key) % 2], alpha, lam, fixed_k, cap, None,
+            plan = search.exact_plan(MODES[int(key) % 2], alpha, lam, fixed_k, cap, None,
                                     family, None)
-            exact.decode_exact(out, k, scores, plan, logits=logits, scale=scale,
+            search.decode_exact(out, k, scores, plan, logits=logits, scale=scale,
                                rows=torch.from_numpy(members).to(device), low=space.low,
                                done=done)
     except Exception as error:

@@ -1,0 +1,646 @@
+"""The search: the support size k* of the rows the fixed window cannot decide, and their maps.
+
+Rows reach it when the window (`window`, or the kernels') could not certify them (k* past the
+window, a near-tie within rounding, a Newton solve that had not converged), for the families
+without a window formula (`families`), and for user generators. It is the reference the
+window and the kernels are tested against. Paper: arXiv 2505.19371; cost(k) (eq. (6)) is
+discretely convex (Theorem 3.3), so with the gaps G(k) = cost(k) - cost(k + 1) + lambda
+(`gaps`) k* = min {k : G(k) <= lambda}, ties to the smaller support (Algorithm 2).
+
+Pipeline, vectorized over rows (loops run over rounds and probes):
+
+1. Candidates (`_round`): the W largest entries of each row, sorted, and the deficits R_k of
+   every size, from positive terms (`candidates`). A row whose k* is not certified inside them
+   gets a wider round (`GROWTH` times, up to the whole row), keeping what it certified.
+2. A bracket lo <= k* <= hi: lo from the window (every size it saw had G > lambda), hi =
+   min(k_max, the positive entries).
+3. Probes on the multiplier (`_probe`). The map T_k of eq. (4) or (5) has one scalar s_k
+   (primal: the water level, or log of the top entry's lift below alpha = 1; dual: log nu),
+   decreasing in k, and at any trial s every entry j has a value q_j(s), hence the term
+   w_j(s) = w(p_j, s) of the gaps (`gaps.log_entry_term`), increasing in s and in p_j. Weak
+   duality gives G(j - 1) >= w_j(s_j) and G(j) <= w_(j+1)(s_j). So one pass over the
+   candidates at s certifies, with n the sizes whose maps need a larger scalar (the mass
+   their entries get at s is short of R_k: s < s_k) and c the entries with w_j(s) > lambda,
+
+       min(n, c) <= k* <= max(n + 1, c)
+
+   (a size j <= n with j <= c has G(j - 1) >= w_j(s) > lambda; a size j > n with j >= c has
+   G(j) <= w_(j+1)(s) <= lambda). The next s is a safeguarded Newton step on
+   D(s) = log w_(m+1)(s) - log lambda, m = n + 1 the size whose scalar s is, inside the bracket
+   of s that the signs of D keep; its slope counts how m moves with s. A few probes bring the
+   bracket of k* down to one or two sizes, none needing a map.
+4. The last sizes by exact gaps (`_settle`): G(m) from the maps T_m and T_(m+1) (`maps.solved`,
+   warm-started at the last probe's scalar), the ratios q_i / q'_i exact from their
+   multipliers; binary search (Algorithm 2) where more than `SETTLE` sizes are left. User
+   generators (no multiplier) take this binary search from the start, on their generic maps.
+   The families with closed-form gaps (`families.CLOSED_GAP_FAMILIES`) read every gap of a
+   round at once (`window.closed_sizes`).
+5. log T_k* by the family's map (`maps`), kept from the last exact gap where it has it, and
+   written into the output by the step's writer (`write.write_support`).
+
+Memory: a round holds a few float64 [rows, W] arrays; rounds whose width would exceed
+`MEMORY_BUDGET` bytes run their rows in pieces, and finished rows are written out at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import NamedTuple
+
+import torch
+
+from .candidates import UNBOUNDED, Candidates, candidates, take
+from .dual import dual_range, dual_values
+from .families import CLOSED_GAP_FAMILIES, QUADRATIC_DUAL_FAMILIES, Family
+from .gaps import dual_log_gap, log_entry_term, primal_log_gap
+from .generators import BregmanGenerator, generic_gap
+from .maps import log_deficit, log_renorm, solved
+from .plan import DEFAULT_ROW_VALUES, ROW_DTYPES, ROW_FIELDS, rows_family
+from .primal import level_range, normalized, primal_values, support_mask, top_range
+from .roots import Multiplier
+from .window import closed_sizes, support_range
+from .write import output_values, write_support
+
+Tensor = torch.Tensor
+
+#: Width of the first candidate round; a row whose k* passes it gets `GROWTH` times more.
+INITIAL_CANDIDATES = 64
+GROWTH = 8
+#: A round wider than 1 / `FULL_SORT_FRACTION` of the row takes the whole row (a top-k that
+#: large costs about a full sort).
+FULL_SORT_FRACTION = 4
+#: Bytes of float64 work arrays one piece of a round may hold.
+MEMORY_BUDGET = 256 * 1024 * 1024
+#: Peak bytes of a round per (row, candidate) (measured; output included).
+_BYTES_PER_ENTRY = 400
+#: Probes on the multiplier before the search leaves the rest to exact gaps, and the dual's
+#: Newton steps of its inner equations per probe.
+PROBES = 40
+PROBE_STEPS = 2
+#: |D| at which the probes' Newton steps aim, on alternating sides of the root (`_probe`).
+STRADDLE = 1e-6
+#: Sizes the exact gaps decide at once (`_settle`); a wider bracket is halved first.
+SETTLE = 4
+#: Rounding bound of a sum of n positive float64 terms, per term (recursive summation).
+_SUM_ROUNDING = 2.3e-16
+#: Relative rounding bound of log w against log lambda, per unit of |log lambda| + 1.
+_TERM_ROUNDING = 1e-12
+
+
+class ExactPlan(NamedTuple):
+    """Per-row parameters of the exact path (all [n] tensors; fixed_k / k_max: 0 = none), the
+    rows' formula family (one plan group: decided once, by the plan; None with a user
+    generator) and the other per-row values by name (`plan.ROW_FIELDS`, [n] tensors)."""
+
+    mode: str
+    alpha: Tensor
+    lam: Tensor
+    fixed_k: Tensor
+    k_max: Tensor
+    generator: BregmanGenerator | None = None
+    family: Family | None = None
+    values: Mapping[str, Tensor] = MappingProxyType({})
+
+
+def exact_plan(mode: str, alpha: Tensor, lam: Tensor, fixed_k: Tensor, k_max: Tensor,
+               generator: BregmanGenerator | None = None, family: Family | None = None,
+               values: Mapping[str, Tensor] | None = None) -> ExactPlan:
+    """The exact path's parameters. ``family``: the rows' family when the caller has it (a
+    plan group); else the plan's (`plan.rows_family`). ``values``: the `plan.ROW_FIELDS`
+    (default: their defaults)."""
+    if family is None and generator is None:
+        family = rows_family(mode, alpha.tolist(), bool((fixed_k > 0).all()))
+    if values is None:
+        values = {name: torch.full_like(fixed_k, default, dtype=ROW_DTYPES[name])
+                  for name, default in zip(ROW_FIELDS, DEFAULT_ROW_VALUES, strict=True)}
+    return ExactPlan(mode, alpha, lam, fixed_k, k_max, generator, family, values)
+
+
+# ----------------------------------------------------------------------------- 3. probes
+
+
+class _Rows(NamedTuple):
+    """The search's view of its rows' candidates: log p (-inf for zero entries), log p with 0
+    there, which are positive, p, R_k, alpha as a column, log lambda."""
+
+    log_p: Tensor
+    lp: Tensor
+    finite: Tensor
+    p: Tensor
+    deficit: Tensor
+    alpha: Tensor
+    log_lam: Tensor
+
+    @classmethod
+    def of(cls, cand: Candidates, alpha: Tensor, lam: Tensor) -> _Rows:
+        finite = torch.isfinite(cand.log_x)
+        return cls(cand.log_x, torch.where(finite, cand.log_x, 0.0), finite, cand.x,
+                   cand.deficit, alpha.to(cand.x.dtype).unsqueeze(-1), torch.log(lam))
+
+    def take(self, rows: Tensor) -> _Rows:
+        return _Rows(*(t[rows] for t in self))
+
+
+def _kind(mode: str, family: Family | None, alpha: Tensor) -> Tensor:
+    """Which scalar each row's map has: 0 the dual's log nu, 1 the primal's water level
+    (alpha > 1), 2 the primal's log delta (alpha < 1)."""
+    if mode == "dual":
+        return torch.zeros_like(alpha, dtype=torch.long)
+    return torch.where(alpha > 1.0, 1, 2)
+
+
+def _values(kind: int, family: Family | None, rows: _Rows, s: Tensor,
+            start: Tensor | None) -> tuple[Multiplier, Tensor]:
+    """Every candidate's value at the scalar s (`roots.Multiplier`; rate: d log q / d s) and
+    which rows have them exact: the dual's inner roots get `PROBE_STEPS` Newton steps from the
+    last probe's (their errors shrink as the probes close in, as in a joint Newton)."""
+    beta = rows.alpha - 1.0
+    if kind:
+        values = primal_values(rows.lp, rows.finite, beta, s, kind == 1)
+        return values, torch.ones_like(s, dtype=torch.bool)
+    closed = family if family in QUADRATIC_DUAL_FAMILIES else None
+    return dual_values(rows.lp, rows.finite, beta, s, start, closed, PROBE_STEPS)
+
+
+def _ends(kind: int, rows: _Rows, size: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The scalar of ``size``: a lower bound (from its deficit) and a start near it; and an
+    upper bound of every size's scalar (size 1's)."""
+    log_r = torch.log(torch.gather(rows.deficit, 1, (size - 1).unsqueeze(-1)).squeeze(-1))
+    beta = rows.alpha.squeeze(-1) - 1.0
+    if kind == 1:
+        return level_range(rows.lp[:, 0], beta, log_r, size)
+    if kind == 2:
+        return top_range(rows.lp[:, 0], log_r)
+    return dual_range(rows.lp, rows.finite, rows.alpha - 1.0, log_r, size)
+
+
+def _term_slope(mode: str, alpha: Tensor, lift: Tensor, finite: Tensor) -> Tensor:
+    """d log w / d log q at fixed p, for entries with lift log(q / p): alpha (primal);
+    beta + beta^2 / (beta^2 + (1 - beta^2) p / q) (dual: w = q^beta [beta^2 (q - p) + p] /
+    (alpha beta); zero entries alpha)."""
+    if mode == "primal":
+        return alpha
+    b = alpha - 1.0
+    ratio = torch.exp(-lift.clamp_min(0.0))  # p / q
+    return torch.where(finite, b + b * b / (b * b + (1.0 - b * b) * ratio), alpha)
+
+
+class _Probe(NamedTuple):
+    """What one probe at s certifies and where it points: the bracket of k* (none where its
+    values are not exact yet), the size m whose scalar s is (capped to the candidates), D(s)
+    and the Newton step on it."""
+
+    low: Tensor
+    high: Tensor
+    size: Tensor
+    residual: Tensor
+    step: Tensor
+    values: Multiplier
+    exact: Tensor
+
+
+def _probe(mode: str, kind: int, family: Family | None, rows: _Rows, s: Tensor,
+           start: Tensor | None) -> _Probe:
+    """One probe at s (module docstring, step 3): every candidate's value, the sizes whose
+    scalars lie above s (n) and the entries whose terms exceed lambda (c), each counted only
+    where rounding cannot have decided it."""
+    width = rows.p.shape[-1]
+    values, exact = _values(kind, family, rows, s, start)
+    q = torch.exp(values.log_q)
+    # sum_(i<=k) q_i - p_i against R_k: both sums of positive terms (`primal._added`).
+    added = torch.where(rows.finite, rows.p * torch.expm1(values.lift), q).cumsum(-1)
+    margin = rows.deficit * (_SUM_ROUNDING * width + 1e-15)
+    above_s = (added < rows.deficit - margin).sum(-1)  # sizes 1 .. n: s_k > s, surely
+    maybe = (added < rows.deficit + margin).sum(-1)  # sizes past it: s_k <= s, surely
+    log_w = log_entry_term(mode, rows.log_p, values.log_q, rows.alpha)
+    tolerance = (_TERM_ROUNDING * (1.0 + rows.log_lam.abs())).unsqueeze(-1)
+    exceeds = (log_w > rows.log_lam.unsqueeze(-1) + tolerance).sum(-1)
+    may_exceed = (log_w > rows.log_lam.unsqueeze(-1) - tolerance).sum(-1)
+    low = torch.where(exact, torch.minimum(above_s, exceeds), 0)
+    # An upper bound needs the size past it and the entry after it among the candidates.
+    known = (maybe < width) & (may_exceed < width) & exact
+    high = torch.where(known, torch.maximum(maybe + 1, may_exceed), UNBOUNDED)
+    # D(s) at the size m whose scalar s is, and its slope: at fixed m, d log w / d log q times
+    # the rate; m moves by -sum_(i<=m) q_i rate_i / q_(m+1) per unit of s (where the mass
+    # added at s crosses R_m).
+    size = (added < rows.deficit).sum(-1) + 1
+    m = size.clamp(1, width - 1).unsqueeze(-1)
+    residual = log_w.gather(1, m).squeeze(-1) - rows.log_lam
+    at_m = [t.gather(1, m).squeeze(-1) for t in (values.lift, values.rate, q, rows.finite)]
+    slope_q = _term_slope(mode, rows.alpha.squeeze(-1), at_m[0], at_m[3]) * at_m[1]
+    inside = torch.arange(width, device=s.device) < m
+    moves = -torch.where(inside, q * values.rate, 0.0).sum(-1) / at_m[2]
+    # (d log w_j / d j over a stencil of about m / 64 entries: adjacent entries of long
+    # supports differ by noise)
+    reach = (m // 64).clamp_min(1)
+    ahead, behind = (m + reach).clamp_max(width - 1), (m - reach).clamp_min(0)
+    per_entry = (log_w.gather(1, ahead) - log_w.gather(1, behind)) / (ahead - behind)
+    slope = slope_q + per_entry.squeeze(-1) * moves
+    # Newton aims just across the root (D = -+`STRADDLE`): near it the probes alternate sides
+    # by a margin far above the counts' rounding, each certifying its side of the bracket.
+    target = torch.where(residual > 0, -STRADDLE, STRADDLE)
+    # (no step from a size past the candidates: D is not known there)
+    step = torch.where(size < width, (target - residual) / slope, math.nan)
+    return _Probe(low, high, m.squeeze(-1), residual, step, values, exact)
+
+
+def _warm(kind: int, values: Multiplier, old: Tensor, new: Tensor) -> Tensor | None:
+    """The dual's inner unknowns at a new s, to first order from the last probe's (d u / d s
+    is the rate); None where the step is too long for it (the shaped start)."""
+    if kind or values.state is None:
+        return None
+    u = torch.exp(values.state)
+    moved = u + values.rate * (new - old).unsqueeze(-1)
+    return torch.where(moved > 0.5 * u, torch.log(moved.clamp_min(1e-300)), math.nan)
+
+
+def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tensor,
+            high: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """Probes on the multiplier (module docstring, step 3) for rows of one kind, until their
+    bracket [low, high] of k* is one size wide, or at most `SETTLE` wide and no longer
+    narrowing, or known to pass the candidates. Returns (low, high, the last probe's scalar
+    and size per row, and the dual's inner unknowns there: warm starts for the maps)."""
+    n, width = rows.p.shape
+    low, high = low.clone(), high.clone()
+    top_size = torch.minimum(high, torch.full_like(high, width)).sub(1).clamp_min(1)
+    s_low, _, s_high = _ends(kind, rows, top_size)
+    # The first probe near the scalar of the lowest size k* may have (where the floor of the
+    # gaps left it, the extreme rows' k* is often next to it).
+    s = _ends(kind, rows, torch.minimum(low.clamp_min(1), top_size))[1]
+    s = torch.minimum(torch.maximum(s, s_low), s_high)
+    last = s.clone()
+    last_size = low.clone()
+    state = None if kind else torch.full_like(rows.p, math.nan)
+    index = torch.arange(n, device=low.device)  # the rows still searching
+    stale = torch.zeros_like(index)  # probes in a row that did not narrow the bracket
+    d_low = torch.full_like(s, math.nan)  # D at the bracket's ends (NaN: not probed)
+    d_high = d_low.clone()
+    was_above = torch.zeros_like(index, dtype=torch.bool)  # the side of the last probe
+    sub, start = rows, None
+    for _ in range(PROBES):
+        found = _probe(mode, kind, family, sub, s, start)
+        lo = torch.maximum(low[index], found.low)
+        hi = torch.minimum(high[index], found.high)
+        narrowed = (lo > low[index]) | (hi < high[index])
+        low[index], high[index], last[index], last_size[index] = lo, hi, s, found.size
+        if state is not None and found.values.state is not None:
+            state[index, : sub.p.shape[-1]] = found.values.state
+        above = found.residual > 0  # D increases with s
+        # (Illinois: an end kept twice in a row counts half, so regula falsi cannot stall)
+        d_low = torch.where(above & was_above, 0.5 * d_low, d_low)
+        d_high = torch.where(~above & ~was_above, 0.5 * d_high, d_high)
+        was_above = above
+        s_high, d_high = torch.where(above, s, s_high), torch.where(above, found.residual, d_high)
+        s_low, d_low = torch.where(above, s_low, s), torch.where(above, d_low, found.residual)
+        proposal = s + found.step
+        inside = (proposal > s_low) & (proposal < s_high)  # (False for NaN and +-inf too)
+        # Else regula falsi between the bracket's ends (bisection while one has no D).
+        share = (d_low / (d_low - d_high)).clamp(0.05, 0.95)
+        share = torch.where(torch.isnan(share), 0.5, share)
+        s_new = torch.where(inside, proposal, s_low + share * (s_high - s_low))
+        # A row stops once its bracket is one size wide, or stops narrowing (at most `SETTLE`
+        # sizes wide, or three probes in a row: ties, where the weak-duality bounds cannot
+        # part the sizes and exact gaps do), or passes the candidates.
+        stale = torch.where(narrowed | ~found.exact, 0, stale + 1)
+        go = (hi - lo > 1) & (narrowed | ((hi - lo > SETTLE) & (stale < 3))) \
+            & (s_high - s_low > 1e-14 * (1.0 + s.abs())) \
+            & ((hi <= width) | (lo < width - 1))
+        keep = go.nonzero().squeeze(-1)
+        if keep.numel() == 0:
+            break
+        start = _warm(kind, found.values, s, s_new)
+        # Columns past every bracket's end play no part in the next probes.
+        columns = min(sub.p.shape[-1], int(hi[keep].max()) + 2)
+        if keep.numel() < go.numel() or columns < sub.p.shape[-1]:
+            index, s_low, s_high, s_new = index[keep], s_low[keep], s_high[keep], s_new[keep]
+            stale, d_low, d_high = stale[keep], d_low[keep], d_high[keep]
+            was_above = was_above[keep]
+            sub = _Rows(*(t[keep, :columns] if t.dim() == 2 and t.shape[-1] > 1 else t[keep]
+                          for t in sub))
+            start = None if start is None else start[keep, :columns]
+        s = s_new
+    return low, high, last, last_size, state
+
+
+# ----------------------------------------------------------------------------- 4. exact gaps
+
+
+def _gaps(family: Family | None, mode: str, cand: Candidates, start: Tensor, count: int,
+          alpha: Tensor, lam: Tensor, generator: BregmanGenerator | None, s: Tensor | None,
+          state: Tensor | None) -> tuple[Tensor, Tensor]:
+    """log G(m) for m = start .. start + count - 1 per row ([n, count]), or a bound of it on
+    the same side of log lambda, from the maps of the count + 1 consecutive supports (start +
+    count <= candidates); and those maps (log T_m for m = start .. start + count, normalized,
+    [n, count + 1, C]). The maps are solved by their multipliers (`maps.solved`; ``s`` /
+    ``state``: warm starts): each one's own weak-duality bounds, G(m) <= w_(m+1)(s_m) and
+    G(m) >= w_(m+1)(s_(m+1)), decide most gaps; the others are the exact formulas of `gaps`,
+    the ratios q_i / q'_i exact from the multipliers. A user generator's maps are its generic
+    ones, and its gaps `generators.generic_gap`."""
+    sizes = start.unsqueeze(-1) + torch.arange(count + 1, device=start.device)
+    width = cand.log_x.shape[-1]
+    columns = min(width, int(sizes.max()) + 1)
+    log_p = cand.log_x[:, :columns]
+    n = log_p.shape[0]
+    m = sizes[:, :-1]
+    stacked = log_p.unsqueeze(1).expand(-1, count + 1, -1)
+    deficits = log_deficit(cand, sizes)
+    if generator is not None:
+        maps = log_renorm(family, mode, stacked, sizes, alpha.unsqueeze(-1).expand_as(sizes),
+                          deficits, generator)
+        gap = generic_gap(mode, generator, torch.exp(log_p.unsqueeze(1).expand(-1, count, -1)),
+                          torch.exp(maps[:, :-1]), torch.exp(maps[:, 1:]), m)
+        return torch.log(gap), maps
+    total = n * (count + 1)
+    found = solved(family, mode, stacked.reshape(total, columns), sizes.reshape(-1),
+                   alpha.repeat_interleave(count + 1, output_size=total), deficits.reshape(-1),
+                   None if s is None else s.repeat_interleave(count + 1, output_size=total),
+                   None if state is None else
+                   state[:, :columns].repeat_interleave(count + 1, 0, output_size=total))
+    shape = (n, count + 1, columns)
+    log_q, lift = found.log_q.reshape(shape), found.lift.reshape(shape)
+    maps = normalized(log_q, support_mask(sizes, columns))
+    a = alpha.to(log_p.dtype).unsqueeze(-1)
+    ends = (sizes - 1, sizes.clamp_max(columns - 1))  # entries m and m + 1 of each map
+    own, after = (log_entry_term(mode, log_p.gather(1, j), log_q.gather(2, j.unsqueeze(-1))
+                                 .squeeze(-1), a) for j in ends)
+    after = torch.where(sizes < width, after, math.inf)  # (no entry past the candidates)
+    log_lam = torch.log(lam).unsqueeze(-1)
+    upper, lower = after[:, :-1], own[:, 1:]
+    value = torch.where(upper <= log_lam, upper, torch.where(lower > log_lam, lower, math.nan))
+    rows, j = torch.isnan(value).nonzero(as_tuple=True)
+    if rows.numel():
+        rho = lift[rows, j] - lift[rows, j + 1]
+        pair = (maps[rows, j], maps[rows, j + 1], m[rows, j], a[rows, 0])
+        value[rows, j] = primal_log_gap(*pair, rho) if mode == "primal" else \
+            dual_log_gap(log_p[rows], *pair, rho)
+    return value, maps
+
+
+def _settle(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, lam: Tensor,
+            low: Tensor, high: Tensor, generator: BregmanGenerator | None,
+            s: Tensor | None, state: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The smallest k in [low, high] with G(k) <= lambda (or high) by exact gaps: every size
+    at once where every row has the same few left (at most `SETTLE`); else one gap per step
+    at the size where log G,
+    interpolated in log k between the bracket's ends, meets log lambda (regula falsi; the
+    geometric middle while an end has no value), kept in the bracket's middle half (so each
+    step removes a quarter of it at least: Algorithm 2's binary search, sped up). ``high``
+    must be within the candidates. Returns (k, log T_k where a gap's maps held it ([n, W],
+    -inf rows otherwise), which rows have it)."""
+    low, high = low.clone(), high.clone()
+    n, width = cand.log_x.shape
+    dtype = cand.log_x.dtype
+    cache = torch.full((n, width), -math.inf, dtype=dtype, device=low.device)
+    cached = torch.zeros_like(low, dtype=torch.bool)
+    log_lam = torch.log(lam)
+    # log G(low - 1) > log lambda and log G(high) <= log lambda where known (NaN: not yet)
+    ends = torch.full((2, n), math.nan, dtype=dtype, device=low.device)
+    while True:
+        active = (low < high).nonzero().squeeze(-1)
+        if active.numel() == 0:
+            return low, cache, cached & (low == high)
+        lo, hi = low[active], high[active]
+        span = hi - lo
+        if int(span.min()) == int(span.max()) <= SETTLE:
+            count, first = int(span[0]), lo  # every size left at once
+        else:
+            count = 1
+            below, above = ends[0, active], ends[1, active]
+            a, b = (lo - 1).clamp_min(1).to(dtype).log(), hi.to(dtype).log()
+            t = (below - log_lam[active]) / (below - above)
+            guess = torch.exp(torch.where(torch.isfinite(t), a + t * (b - a), 0.5 * (a + b)))
+            quarter = span // 4
+            first = torch.minimum(torch.maximum(guess.round().long(), lo + quarter),
+                                  hi - 1 - quarter)
+        first = torch.minimum(first, hi - 1).clamp_max(width - count)  # T_(first + count) exists
+        log_gap, maps = _gaps(family, mode, take(cand, active), first, count, alpha[active],
+                              lam[active], generator, None if s is None else s[active],
+                              None if state is None else state[active])
+        sizes = first.unsqueeze(-1) + torch.arange(count, device=lo.device)
+        inside = (sizes >= lo.unsqueeze(-1)) & (sizes < hi.unsqueeze(-1))
+        exceeds = log_gap > log_lam[active].unsqueeze(-1)
+        # G is nonincreasing: sizes that exceed raise low, the first that does not lowers high.
+        new_lo = torch.maximum(lo, torch.where(exceeds & inside, sizes + 1, 0).amax(-1))
+        new_hi = torch.minimum(hi, torch.where(~exceeds & inside, sizes, hi.unsqueeze(-1))
+                               .amin(-1))
+        if count == 1:
+            ends[0, active] = torch.where(new_lo > lo, log_gap[:, 0], ends[0, active])
+            ends[1, active] = torch.where(new_hi < hi, log_gap[:, 0], ends[1, active])
+        low[active], high[active] = new_lo, new_hi
+        offset = new_lo - first
+        hit = (new_lo == new_hi) & (offset >= 0) & (offset <= count)
+        pick = offset.clamp(0, count).view(-1, 1, 1).expand(-1, 1, maps.shape[-1])
+        chosen = torch.gather(maps, 1, pick).squeeze(1)
+        cache[active, : chosen.shape[-1]] = torch.where(hit.unsqueeze(-1), chosen,
+                                                        cache[active, : chosen.shape[-1]])
+        cached[active] = hit
+
+
+# ----------------------------------------------------------------------------- rounds
+
+
+def _sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor
+           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The support sizes of one round's rows ``rows`` (``low``: their certified lower bounds):
+    fixed sizes, or the adaptive k* by the closed-form gaps, the probes and the exact gaps.
+    Returns (k, log T_k where the search holds it [n, W], which rows have it, which rows are
+    finished: the others need a wider round, with ``k`` their certified lower bound)."""
+    n, width = cand.x.shape
+    alpha, lam = plan.alpha[rows], plan.lam[rows]
+    fixed, cap = plan.fixed_k[rows], plan.k_max[rows]
+    values = {name: value[rows] for name, value in plan.values.items()}
+    values["size"] = torch.where(cap > 0, cap, UNBOUNDED)
+    limit = support_range(cand, values)[1].clamp_min(1)
+    k = torch.where(fixed > 0, torch.minimum(fixed, limit), 0)
+    done = (fixed > 0) & (k <= width)
+    cache = torch.full((n, width), -math.inf, dtype=cand.x.dtype, device=k.device)
+    cached = torch.zeros_like(done)
+    adaptive = (fixed <= 0).nonzero().squeeze(-1)
+    if adaptive.numel() == 0:
+        return k, cache, cached, done
+    sub = take(cand, adaptive)
+    lo = torch.minimum(low[adaptive].clamp_min(1), limit[adaptive])
+    hi = limit[adaptive]
+    a, lm = alpha[adaptive], lam[adaptive]
+    if plan.family in CLOSED_GAP_FAMILIES and plan.generator is None:
+        found = closed_sizes(plan.family, sub, lm, hi, width, lo)
+        k[adaptive] = found
+        done[adaptive] = (found < width) | (hi <= width)
+        return k, cache, cached, done
+    s = state = None
+    if plan.generator is None:
+        lo, hi, s, state = _search_rows(plan, sub, a, lm, lo, hi)
+    # Every row settles inside this round but those whose k* is known to pass it.
+    past = (hi > width) & (lo >= width - 1)
+    hi = torch.minimum(hi, torch.full_like(hi, width))
+    found = lo.clone()
+    part = (~past).nonzero().squeeze(-1)
+    if part.numel():
+        settled, maps, have = _settle(plan.family, plan.mode, take(sub, part), a[part],
+                                      lm[part], lo[part], hi[part], plan.generator,
+                                      None if s is None else s[part],
+                                      None if state is None else state[part])
+        found[part] = settled
+        cache[adaptive[part]] = maps
+        cached[adaptive[part]] = have
+    k[adaptive] = found
+    # A row that ran into the end of the candidates goes on in a wider round (``k``: its
+    # certified lower bound).
+    done[adaptive] = ~past & ((found < width) | (limit[adaptive] <= width))
+    return k, cache, cached, done
+
+
+def _search_rows(plan: ExactPlan, cand: Candidates, alpha: Tensor, lam: Tensor, lo: Tensor,
+                 hi: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The floor of the gaps and the probes (`_search`, per kind of scalar) for adaptive rows
+    with multipliers. Returns their bracket of k* and warm starts for the maps of `_settle`:
+    scalar, (dual) inner unknowns."""
+    width = cand.x.shape[-1]
+    kinds = _kind(plan.mode, plan.family, alpha)
+    rows = _Rows.of(cand, alpha, lam)
+    # The floor: every scalar is at least that of no deficit, where q = p, so an entry whose
+    # term exceeds lambda there has G(j - 1) > lambda (w increases with s).
+    floor = log_entry_term(plan.mode, rows.log_p, rows.log_p, rows.alpha)
+    tolerance = _TERM_ROUNDING * (1.0 + rows.log_lam.abs())
+    lo = torch.maximum(lo, torch.minimum(
+        (floor > (rows.log_lam + tolerance).unsqueeze(-1)).sum(-1), hi))
+    s = torch.full_like(alpha, math.nan)  # (no warm start for rows without probes)
+    size = lo.clone()
+    state = torch.full_like(cand.x, math.nan) if plan.mode == "dual" else None
+    for kind in kinds.unique().tolist():
+        # (rows whose k* is known to pass the candidates wait for a wider round)
+        part = ((kinds == kind) & (hi - lo > 1) & ((hi <= width) | (lo < width - 1))
+                ).nonzero().squeeze(-1)
+        if part.numel() == 0:
+            continue
+        got = _search(plan.mode, kind, plan.family, rows.take(part), lo[part], hi[part])
+        # (the maps' solvers take delta itself below alpha = 1, `primal.primal_multiplier`)
+        lo[part], hi[part], size[part] = got[0], got[1], got[3]
+        s[part] = got[2].exp() if kind == 2 else got[2]
+        if got[4] is not None:
+            state[part] = got[4]
+    return lo, hi, s, state
+
+
+def _final_maps(plan: ExactPlan, cand: Candidates, k: Tensor, alpha: Tensor, cache: Tensor,
+                cached: Tensor) -> Tensor:
+    """log T_k for every row: from the search's cache where it has it, else solved now."""
+    todo = (~cached).nonzero().squeeze(-1)
+    width = int(k.max())
+    if todo.numel() == 0:
+        return cache[:, :width]
+    sub = take(cand, todo)
+    fresh = log_renorm(plan.family, plan.mode, sub.log_x[:, :width], k[todo], alpha[todo],
+                       log_deficit(sub, k[todo]), plan.generator)
+    out = cache[:, :width].clone()
+    out[todo] = fresh
+    return out
+
+
+class _Sink(NamedTuple):
+    """Where finished rows go: ``out`` [N, V], ``k_out`` [N], ``done`` [N] (set for every
+    finished row), how log q becomes the written values (`write.output_values`: the scores'
+    dtype, logits scaled by the temperature) and ``clear`` (the value a row is reset to just
+    before its support is written)."""
+
+    out: Tensor
+    k_out: Tensor
+    done: Tensor | None
+    logits: bool
+    temperature: Tensor | None
+    clear: float
+
+
+def _round(scores: Tensor, plan: ExactPlan, now: Tensor, width: int, low: Tensor, sink: _Sink,
+           scale: Tensor | None) -> Tensor:
+    """One candidate round for the rows ``now``; returns the rows that need a wider one (with
+    their certified lower bounds in ``low``)."""
+    every = now.numel() == scores.shape[0]
+    rows_now = scores if every else scores.index_select(0, now)
+    rows_scale = None if scale is None else (scale if every else scale.index_select(0, now))
+    cand = candidates(rows_now, width, logits=sink.logits, scale=rows_scale)
+    if not bool(cand.valid.all()):  # rows that are not distributions are left alone
+        good = cand.valid.nonzero().squeeze(-1)
+        now, cand = now[good], take(cand, good)
+    if now.numel() == 0:
+        return now
+    k, cache, cached, done = _sizes(plan, cand, now, low[now])
+    if width >= scores.shape[-1]:
+        done = torch.ones_like(done)
+    fin = done.nonzero().squeeze(-1)
+    if fin.numel():
+        sub = take(cand, fin)
+        log_q = _final_maps(plan, sub, k[fin], plan.alpha[now[fin]], cache[fin], cached[fin])
+        _finish(sink, now[fin], sub.index[:, : log_q.shape[-1]], log_q, k[fin])
+    again = (~done).nonzero().squeeze(-1)
+    low[now[again]] = k[again].clamp_max(width)
+    return now[again]
+
+
+def _finish(sink: _Sink, rows: Tensor, index: Tensor, log_q: Tensor, k: Tensor) -> None:
+    """Write finished rows (`write.write_support`); a NaN is an error, never an output."""
+    if bool(torch.isnan(log_q).any()):
+        raise FloatingPointError(
+            f"the exact path produced NaN for {int(torch.isnan(log_q).any(-1).sum())} row(s)")
+    temperature = None if sink.temperature is None else sink.temperature[rows]
+    values = output_values(log_q, sink.logits, sink.out.dtype, temperature)
+    write_support(sink.out, index, values, sink.clear, rows=rows)
+    sink.k_out[rows] = k
+    if sink.done is not None:
+        sink.done[rows] = True
+
+
+def _widest(plan: ExactPlan, rows: Tensor, vocab: int) -> int:
+    """The most candidates any of ``rows`` needs: its fixed k, else its k_max, else the whole
+    row (one host read per call: a server's `--max-support` caps every row)."""
+    fixed, cap = plan.fixed_k[rows], plan.k_max[rows]
+    need = torch.where(fixed > 0, fixed, torch.where(cap > 0, cap, vocab))
+    return min(int(need.max()), vocab)
+
+
+def decode_exact(out: Tensor, k_out: Tensor, scores: Tensor, plan: ExactPlan, *,
+                 logits: bool, scale: Tensor | None = None, rows: Tensor | None = None,
+                 low: Tensor | None = None, done: Tensor | None = None) -> None:
+    """Decode the rows of ``scores`` ([n, V] logits, or probabilities with entries >= 0) with
+    the exact path and write the supports into ``out`` ([n, V]: each finished row is reset to
+    -inf (logits) or 0 before its support is written; a row the path never finishes, when it
+    raises, keeps what it had) and the sizes into ``k_out``; rows that are not distributions
+    are left as ``out`` has them. ``out`` may be ``scores`` itself: a row is read before it is
+    written. ``scale`` ([n]): per-row inverse temperatures (logits; the values written are then
+    T log q, `write.output_values`). ``done`` ([n] bool): set for every row finished.
+
+    ``rows`` (sorted positions, default every row) limits the work to those rows, and ``low``
+    ([n]) gives known lower bounds on their k* (default 1): a row whose k* is known to be at
+    least the first round's width starts with a wider round. ``plan`` holds the parameters of
+    all n rows.
+    """
+    n, vocab = scores.shape
+    pending = torch.arange(n, device=scores.device) if rows is None else rows
+    if pending.numel() == 0:
+        return
+    bounds = torch.ones(n, dtype=torch.long, device=scores.device) if low is None \
+        else low.clone()
+    temperature = None if scale is None else torch.reciprocal(scale)
+    sink = _Sink(out, k_out, done, logits, temperature, -math.inf if logits else 0.0)
+    width = min(max(INITIAL_CANDIDATES, 2), vocab)
+    widest = _widest(plan, pending, vocab)
+    while pending.numel():
+        if width < vocab:
+            # Rows that need more candidates than this round has (a fixed k larger than its
+            # width, or a k* known to be at least its width) wait for a wider round.
+            ready = (plan.fixed_k[pending] <= width) & (bounds[pending] < width)
+            now, later = pending[ready], pending[~ready]
+        else:
+            now, later = pending, pending[:0]
+        piece = max(1, MEMORY_BUDGET // max(1, width * _BYTES_PER_ENTRY))
+        for start in range(0, now.numel(), piece):
+            later = torch.cat([later, _round(scores, plan, now[start:start + piece], width,
+                                             bounds, sink, scale)])
+        pending = torch.sort(later).values
+        grown = width * GROWTH
+        if grown * FULL_SORT_FRACTION >= vocab:
+            grown = vocab
+        # No wider than the rows' sizes need, and wider than this round.
+        width = min(vocab, max(min(grown, widest), width + 1))
