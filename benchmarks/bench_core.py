@@ -131,7 +131,7 @@ BASELINE_PACKAGE = "bregman_vllm_baseline"
 
 
 def load_baseline(revision: str, name: str = "bregman_decode") -> Decoder:
-    """``bregman_decode`` (or another function of ``core.decode``) of the core at git
+    """``bregman_decode`` (or another public call of ``decode``) of the core at git
     ``revision``: its package extracted into a temporary folder under `BASELINE_PACKAGE` (the
     core imports itself relatively; the package's lazy top-level names do not, so the decode
     module is imported directly)."""
@@ -144,7 +144,11 @@ def load_baseline(revision: str, name: str = "bregman_decode") -> Decoder:
     os.rename(os.path.join(folder, "bregman_vllm"), os.path.join(folder, BASELINE_PACKAGE))
     sys.path.insert(0, folder)
     try:
-        decode = getattr(importlib.import_module(BASELINE_PACKAGE + ".core.decode"), name)
+        try:  # (the public calls' module: ``decode``, ``core.decode`` before it moved)
+            module = importlib.import_module(BASELINE_PACKAGE + ".decode")
+        except ImportError:
+            module = importlib.import_module(BASELINE_PACKAGE + ".core.decode")
+        decode = getattr(module, name)
     finally:
         sys.path.remove(folder)
     if decode in (bregman_decode, bregman_decode_logits) or \

@@ -45,8 +45,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bregman_vllm.backend import decode as decode_step
 from bregman_vllm.core.plan import Plan, make_plan, plan_requests
-from bregman_vllm.core.step import decode_step
 from bregman_vllm.diagnostics import DispatchCounter
 from bregman_vllm.params import BregmanParams
 

@@ -3,6 +3,8 @@ Models") as a vLLM sampling plugin.
 
 Layout:
     bregman_vllm.params     the one parameter model (pure Python; the server imports only this)
+    bregman_vllm.decode     the public calls (bregman_decode, ...)
+    bregman_vllm.backend    the step's backend, chosen in one place: the kernels or the core's
     bregman_vllm.core       the math core: primal/dual alpha maps, exact k* (imports only torch)
     bregman_vllm.kernels    the CUDA step as Triton kernels (imported only when chosen)
     bregman_vllm.adapter    the vLLM V1 logits processor (thin adapter over the core)
@@ -19,10 +21,10 @@ from .params import BregmanParamError, BregmanParams
 __version__ = "0.1.0"
 
 _LAZY = {
-    "BregmanOutput": ("bregman_vllm.core.decode", "BregmanOutput"),
-    "bregman_decode": ("bregman_vllm.core.decode", "bregman_decode"),
-    "bregman_decode_logits": ("bregman_vllm.core.decode", "bregman_decode_logits"),
-    "renormalize": ("bregman_vllm.core.decode", "renormalize"),
+    "BregmanOutput": ("bregman_vllm.decode", "BregmanOutput"),
+    "bregman_decode": ("bregman_vllm.decode", "bregman_decode"),
+    "bregman_decode_logits": ("bregman_vllm.decode", "bregman_decode_logits"),
+    "renormalize": ("bregman_vllm.decode", "renormalize"),
     "BregmanGenerator": ("bregman_vllm.core.generators", "BregmanGenerator"),
     "AlphaGenerator": ("bregman_vllm.core.generators", "AlphaGenerator"),
     "BregmanLogitsProcessor": ("bregman_vllm.adapter.processor", "BregmanLogitsProcessor"),
@@ -42,8 +44,8 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover
     from .adapter.processor import BregmanLogitsProcessor
-    from .core.decode import BregmanOutput, bregman_decode, bregman_decode_logits, renormalize
     from .core.generators import AlphaGenerator, BregmanGenerator
+    from .decode import BregmanOutput, bregman_decode, bregman_decode_logits, renormalize
 
 
 def __getattr__(name: str) -> Any:

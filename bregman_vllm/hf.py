@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper
 
-from .core import bregman_decode_logits
+from .decode import bregman_decode_logits
 from .params import BregmanParamError
 
 _HALF = (torch.float16, torch.bfloat16)

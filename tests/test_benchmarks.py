@@ -53,7 +53,8 @@ def test_baseline_loader_imports_the_other_tree(tmp_path, monkeypatch):
 
     decode = bench_core.load_baseline("HEAD")
     assert decode is not bregman_decode
-    assert decode.__module__ == bench_core.BASELINE_PACKAGE + ".core.decode"
+    assert decode.__module__ in (bench_core.BASELINE_PACKAGE + ".decode",
+                                 bench_core.BASELINE_PACKAGE + ".core.decode")
 
 
 @pytest.mark.skipif(not _has_git_history(), reason="needs the git checkout (not a source copy)")

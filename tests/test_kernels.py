@@ -33,9 +33,9 @@ from bregman_vllm import bregman_decode, bregman_decode_logits, kernels
 from bregman_vllm import engine_metrics as em
 from bregman_vllm.adapter import telemetry
 from bregman_vllm.adapter.processor import BregmanLogitsProcessor, request_params
+from bregman_vllm.backend import decode as decode_step
 from bregman_vllm.core import search
 from bregman_vllm.core.plan import plan_requests
-from bregman_vllm.core.step import decode_step
 from bregman_vllm.diagnostics import DispatchCounter
 from bregman_vllm.kernels import step as kernel_step
 from bregman_vllm.kernels.formulas import order_key, rank_top
@@ -483,7 +483,7 @@ def test_a_steps_layout_is_read_once_per_batch_change(monkeypatch):
     """`RowTable.layout` (what a V2 step with the kernels is specialized on, read every step):
     the same slots and no write since give the last answer without reading the host columns
     again; a write or other slots read them again."""
-    from bregman_vllm.core.rows import Row, RowTable
+    from bregman_vllm.rows import Row, RowTable
     from bregman_vllm.params import BregmanParams
 
     table = RowTable(8, "cpu")

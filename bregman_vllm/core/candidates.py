@@ -54,7 +54,7 @@ class Candidates(NamedTuple):
     log_x: Tensor  # [n, W] log x, computed in log space for logits (-inf where x is 0)
 
 
-def _smallest(dtype: torch.dtype) -> float:
+def under_smallest(dtype: torch.dtype) -> float:
     """The largest float64 below the smallest positive value of ``dtype`` (`threshold` keeps
     what is above it)."""
     info = torch.finfo(dtype)
@@ -110,7 +110,7 @@ def _top(scores: Tensor, width: int, logits: bool, scale: Tensor | None
         block_mass = torch.cat([block_mass, _mass(tail, logits, scale).unsqueeze(-1)], 1)
     # The top-`width` entries lie in the `width` blocks with the largest maxima.
     chosen = torch.topk(block_max, width, dim=-1, sorted=False).indices
-    offsets = (chosen.unsqueeze(-1) * BLOCK + _arange(BLOCK, scores.device)).flatten(1)
+    offsets = (chosen.unsqueeze(-1) * BLOCK + cached_arange(BLOCK, scores.device)).flatten(1)
     if vocab % BLOCK:
         gathered = torch.gather(scores, 1, offsets.clamp_max(vocab - 1))
         gathered = torch.where(offsets < vocab, gathered, -math.inf)
@@ -149,7 +149,7 @@ def candidates(scores: Tensor, width: int, *, logits: bool = False,
         log_x = scaled - total.unsqueeze(-1)
         # A probability below the dtype's smallest positive value is a zero of softmax there
         # (its log_x stays finite: every use of log_x past the positive entries is masked).
-        x = torch.nn.functional.threshold(torch.exp(log_x), _smallest(scores.dtype), 0.0)
+        x = torch.nn.functional.threshold(torch.exp(log_x), under_smallest(scores.dtype), 0.0)
         tail = torch.exp(others - total)
         valid = total.abs() < math.inf  # (NaN: not valid)
     else:
@@ -209,7 +209,7 @@ def _strictly_lower(size: int, device: torch.device) -> Tensor:
     return _LOWER[key]
 
 
-def _arange(size: int, device: torch.device, dtype: torch.dtype = torch.long) -> Tensor:
+def cached_arange(size: int, device: torch.device, dtype: torch.dtype = torch.long) -> Tensor:
     """``torch.arange(size)`` on ``device``, made once (constants are not rebuilt per step)."""
     key = (size, torch.device(device), dtype)
     cached = _ARANGE.get(key)

@@ -22,8 +22,8 @@ the unknowns of Algorithm 1:
 arrow, one pass over the support per step) from a neighbouring solve or a shaped start, and
 falls back to the nested root finding of Algorithm 1 (`_nested`: outer Newton on s, an inner
 safeguarded Newton per entry at every outer step) for a row that does not converge. It also
-gives the value the same nu gives each entry past the support (`roots.Multiplier`), which the
-exact path's search probes with (`exact._probe`).
+gives the value the same nu gives each entry past the support (`roots.Multiplier`), and the
+same values at any trial nu (`dual_values`), which the search probes with (`search`).
 
 Zero entries in the support get q_i = nu^(1/(alpha-1)). ``log_p`` is ``[..., K]`` sorted
 decreasingly; ``k`` gives the support size of each row; the result is log q, -inf off the support.
@@ -171,13 +171,6 @@ def _inner_rate(beta: Tensor, u: Tensor, finite: Tensor) -> Tensor:
     log(q_i / p_i); zero entries (q_i = nu^(1/beta)): 1 / beta."""
     em1 = torch.expm1(u)
     return torch.where(finite, em1 / (beta * em1 + 1.0), 1.0 / beta)
-
-
-def _inner_curvature(beta: Tensor, u: Tensor, rate: Tensor, finite: Tensor) -> Tensor:
-    """d^2 log q_i / ds^2 = -H''(u) rate^3 = rate^3 e^u / expm1(u)^2 = rate e^u / (beta
-    expm1(u) + 1)^2 (no underflow of expm1(u)^2 for tiny u); zero entries: 0."""
-    em1 = torch.expm1(u)
-    return torch.where(finite, rate * (em1 + 1.0) / (beta * em1 + 1.0) ** 2, 0.0)
 
 
 def _inner_start(beta: Tensor, lp: Tensor, s: Tensor) -> Tensor:
@@ -448,7 +441,7 @@ def _shaped_start(lp: Tensor, finite: Tensor, mask: Tensor, beta: Tensor, log_de
 
 def dual_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Tensor, k: Tensor,
                     closed: Family | None = None, start: Tensor | None = None,
-                    state: Tensor | None = None, past: int = 1) -> Multiplier:
+                    state: Tensor | None = None) -> Multiplier:
     """T*_alpha for any finite alpha > 1 on the support ``mask`` (the first k columns), by its
     multiplier s = log nu, with the values the same nu gives every column (`roots.Multiplier`).
 
@@ -459,9 +452,7 @@ def dual_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Ten
     `FAR_TOLERANCE`. ``closed`` = ``DUAL_THREE_HALVES`` or ``DUAL_THREE`` (every row has
     that alpha): the inner solve is a formula (`quadratic_root`) and Newton runs on s alone.
     ``start`` / ``state``: s and the inner unknowns z of a nearby solve (a neighbouring support
-    size), used where they lie inside this solve's brackets. ``past``: the columns after the
-    support solved with it to the rounding floor (the exact path's series, `exact._series`,
-    reads them); the others get `FAR_STEPS`.
+    size), used where they lie inside this solve's brackets.
     """
     dtype = log_p.dtype
     beta = (alpha.to(dtype) - 1.0).unsqueeze(-1)
@@ -474,8 +465,7 @@ def dual_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Ten
         lift = _closed_lift(closed, lp, finite, s)
         u = torch.where(finite, lift, 0.0)
         rate = _inner_rate(beta, u, finite)
-        return Multiplier(s, torch.where(finite, lp + u, lift), rate,
-                          _inner_curvature(beta, u, rate, finite), lift)
+        return Multiplier(s, torch.where(finite, lp + u, lift), rate, lift)
     cold = None if state is None else torch.isnan(state)
     if cold is None or bool(cold.any()):  # (NaN: no warm start for that entry)
         # A start without a neighbouring solve: for alpha >= 2 the primal-shaped one
@@ -494,9 +484,9 @@ def dual_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Ten
     target = s.unsqueeze(-1) - beta * lp
     z_low, z_high = _inner_bracket(beta, target)
     z = torch.minimum(torch.maximum(z, z_low), z_high)
-    # The support and the next ``past`` columns are solved together to the rounding floor; the
-    # columns past them follow the same s with a few inner steps.
-    near = min(lp.shape[-1], int(k.max()) + past)
+    # The support and the next column (the search's bounds read it) are solved together to
+    # the rounding floor; the columns past them follow the same s with a few inner steps.
+    near = min(lp.shape[-1], int(k.max()) + 1)
     s, z_near, done = _joint_newton(lp[:, :near], finite[:, :near], mask[:, :near], beta,
                                     log_deficit, s, z[:, :near], low, high)
     if not bool(done.all()):
@@ -534,26 +524,22 @@ def dual_values(lp: Tensor, finite: Tensor, beta: Tensor, s: Tensor, z: Tensor |
         lift = _closed_lift(closed, lp, finite, s)
         u = torch.where(finite, lift, 0.0)
         rate = _inner_rate(beta, u, finite)
-        return (Multiplier(s, torch.where(finite, lp + u, lift), rate,
-                           _inner_curvature(beta, u, rate, finite), lift),
+        return (Multiplier(s, torch.where(finite, lp + u, lift), rate, lift),
                 torch.ones_like(s, dtype=torch.bool))
     target = s.unsqueeze(-1) - beta * lp
     shaped = torch.minimum(_shaped_inner(beta, target), _inner_upper(beta, target))
     z = shaped if z is None else torch.where(torch.isnan(z), shaped, z)  # (NaN: no start)
     z, exact = _inner_steps(beta, lp, s, z, steps, EXACT_STEP)
-    return values_at(lp, finite, beta, s, z, curvature=False), exact
+    return values_at(lp, finite, beta, s, z), exact
 
 
-def values_at(lp: Tensor, finite: Tensor, beta: Tensor, s: Tensor, z: Tensor,
-              curvature: bool = True) -> Multiplier:
+def values_at(lp: Tensor, finite: Tensor, beta: Tensor, s: Tensor, z: Tensor) -> Multiplier:
     """Every column's value at the multiplier s from its inner unknown z (``lp``: log p, 0
-    where p = 0, whose q is nu^(1/beta); ``beta``: [n, 1]); without ``curvature``, zeros
-    for it."""
+    where p = 0, whose q is nu^(1/beta); ``beta``: [n, 1])."""
     u = torch.exp(z)
     log_q = torch.where(finite, lp + u, s.unsqueeze(-1) / beta)
     rate = _inner_rate(beta, u, finite)
-    bend = _inner_curvature(beta, u, rate, finite) if curvature else torch.zeros_like(rate)
-    return Multiplier(s, log_q, rate, bend, torch.where(finite, u, log_q), z)
+    return Multiplier(s, log_q, rate, torch.where(finite, u, log_q), z)
 
 
 def dual_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Tensor, k: Tensor,

@@ -25,12 +25,18 @@ family             rows
 ``DUAL_THREE_HALVES``  dual alpha = 3/2: the inner equation of eq. (5) is a quadratic in sqrt(q)
 ``DUAL_THREE``     dual alpha = 3: the inner equation is a quadratic in q
 ``EXACT``          everything else (alpha near 1 or large, alpha < 1, other dual alphas, a user
-                   generator): the exact log-space path of `exact`
+                   generator): the search (`search`)
 =================  ====================================================================
 
-The fixed-shape step (`step`) decodes every family but ``EXACT`` with a fixed sequence of ops;
-``EXACT`` rows go through `exact` (value-dependent rounds, host syncs), like rows the fixed
-step could not certify.
+What decodes a row (`route`), and how wide its window is (`window_width`), is decided here
+and read everywhere else (the plan, the slot table, the torch step, the kernels):
+
+* ``KEEP``: every positive entry renormalized (``KEEP_ALL``), no candidates;
+* ``WINDOW``: the fixed window of `WINDOW` (or `WIDE_WINDOW`) candidates, with the family's
+  closed forms or fixed Newton iterations (`window`, and the kernels' `kernels.formulas`); a
+  row it cannot certify (`may_flag`) goes on to the search;
+* ``SEARCH``: the search alone (`search`): the ``EXACT`` family (no window formula), fixed
+  sizes past the widest window, user generators.
 """
 
 from __future__ import annotations
@@ -94,6 +100,57 @@ def keeps_all(mode: str, alpha: float, lam: float, vocab: int) -> bool:
         return True
     exponent = (math.log(lam) + log_gap_floor_scale(mode, alpha)) / alpha
     return math.log(vocab) + exponent <= math.log(KEEP_ALL_TOLERANCE)
+
+
+#: Candidates of the first window: k* up to WINDOW - 1 is certified there.
+WINDOW = 64
+#: The widest window: closed-form families at small lambda, fixed sizes above `WINDOW`.
+WIDE_WINDOW = 256
+#: Below these lambdas a closed-form family's k* often passes 64 on peaked rows (standard top-k
+#: keeps every token with p_(k+1) > ~lambda S_k): it gets the wide window.
+WIDE_BELOW = {Family.KL: 5e-3, Family.THREE_HALVES: 5e-4, Family.SQUARE: 1e-4}
+
+
+class Route(str, enum.Enum):
+    """What decodes a row (module docstring)."""
+
+    KEEP = "keep"
+    WINDOW = "window"
+    SEARCH = "search"
+
+
+def route(family: Family, fixed: bool, size: int) -> Route:
+    """The route of a row (``size``: its fixed size, or its cap; `candidates.UNBOUNDED` for
+    none)."""
+    if family == Family.KEEP_ALL:
+        return Route.KEEP
+    if family == Family.EXACT or (fixed and size > WIDE_WINDOW):
+        return Route.SEARCH
+    return Route.WINDOW
+
+
+def window_width(family: Family, lam: float, fixed: bool, size: int) -> int:
+    """The candidates the window reads for a row: its fixed size, or the sizes searched at once
+    (iterative families solve a [K, K] system per row, so theirs stays at `WINDOW`; closed-form
+    families widen it at small lambda), no more than the cap."""
+    if fixed:
+        return max(1, size)
+    window = WIDE_WINDOW if lam < WIDE_BELOW.get(family, 0.0) else WINDOW
+    return max(1, min(window, size))
+
+
+def width_class(width: int) -> int:
+    """The compiled window a width needs: `WINDOW` or `WIDE_WINDOW`."""
+    return WINDOW if width <= WINDOW else WIDE_WINDOW
+
+
+def may_flag(family: Family, fixed: bool, size: int, width: int) -> bool:
+    """Whether a window row may be handed to the search (the step then syncs once): adaptive
+    rows whose cap passes the window, and iterative fixed sizes above `WINDOW` (whose
+    certificates the window computes there)."""
+    if fixed:
+        return family in ITERATIVE_FAMILIES and size > WINDOW
+    return size > width
 
 
 #: Families whose k* search is a closed-form gap over the whole window (no iteration).

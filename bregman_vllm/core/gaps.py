@@ -27,6 +27,9 @@ sum_{i<=k} (q_i - q'_i) = q'_(k+1), hence
 where every bracket is >= 0 by convexity of d(p_i, .) on [p_i, 1] (dual validity), as
 q_i >= q'_i >= p_i.
 
+`consecutive_gaps` evaluates G at a few consecutive sizes for the search (`search`), from their
+maps, deciding most by the bounds above before any formula.
+
 Closed forms over all k at once (prefix sums; S_k = sum_{i<=k} p_i, R_k = 1 - S_k):
     primal alpha = 1:    G(k) = log(1 + p_(k+1) / S_k)              (cost(k) = -log S_k + lambda k)
     alpha = 2 (both):    G(k) = (k p_(k+1) + R_k)^2 / (2 k (k+1))
@@ -37,10 +40,16 @@ Closed forms over all k at once (prefix sums; S_k = sum_{i<=k} p_i, R_k = 1 - S_
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from .candidates import Candidates
 from .families import Family
+from .generators import BregmanGenerator, generic_gap
+from .maps import log_deficit, log_renorm, solved
 from .numerics import bregman_alpha_kernel, logsubexp, logsumexp_masked
+from .primal import normalized, support_mask
 
 Tensor = torch.Tensor
 
@@ -105,7 +114,7 @@ def log_entry_term(mode: str, log_p: Tensor, log_q: Tensor, alpha: Tensor) -> Te
     beta q^alpha / alpha). It is also the value at the map's multiplier nu of the entry's
     Lagrangian term, w(p, nu) = d(p, 0) + max_y [nu y - d(p, y)] (dual), resp. d(0, p) +
     max_y [nu y - d(y, p)] (primal), with q the maximizer y; by weak duality at the multipliers
-    of T_k and T_(k+1) (`exact._probe`)
+    of T_k and T_(k+1) (the search's probes, `search`)
 
         w(p_(k+1), nu_(k+1)) <= G(k) <= w(p_(k+1), nu_k).
     """
@@ -157,3 +166,54 @@ def closed_form_gaps(family: Family, x: Tensor, deficit: Tensor) -> Tensor:
         return square_gaps(x, deficit)
     return three_halves_gaps(x, deficit)
 
+
+def consecutive_gaps(family: Family | None, mode: str, cand: Candidates, start: Tensor,
+                     count: int, alpha: Tensor, lam: Tensor,
+                     generator: BregmanGenerator | None, s: Tensor | None,
+                     state: Tensor | None) -> tuple[Tensor, Tensor]:
+    """log G(m) for m = start .. start + count - 1 per row ([n, count]), or a bound of it on
+    the same side of log lambda, from the maps of the count + 1 consecutive supports (start +
+    count <= candidates); and those maps (log T_m for m = start .. start + count, normalized,
+    [n, count + 1, C]). The maps are solved by their multipliers (`maps.solved`; ``s`` /
+    ``state``: warm starts): each one's own weak-duality bounds, G(m) <= w_(m+1)(s_m) and
+    G(m) >= w_(m+1)(s_(m+1)), decide most gaps (`log_entry_term`); the others are the exact
+    formulas above, the ratios q_i / q'_i exact from the multipliers (`_log_ratios`). A user
+    generator's maps are its generic ones, and its gaps `generators.generic_gap`."""
+    sizes = start.unsqueeze(-1) + torch.arange(count + 1, device=start.device)
+    width = cand.log_x.shape[-1]
+    columns = min(width, int(sizes.max()) + 1)
+    log_p = cand.log_x[:, :columns]
+    n = log_p.shape[0]
+    m = sizes[:, :-1]
+    stacked = log_p.unsqueeze(1).expand(-1, count + 1, -1)
+    deficits = log_deficit(cand, sizes)
+    if generator is not None:
+        maps = log_renorm(family, mode, stacked, sizes, alpha.unsqueeze(-1).expand_as(sizes),
+                          deficits, generator)
+        gap = generic_gap(mode, generator, torch.exp(log_p.unsqueeze(1).expand(-1, count, -1)),
+                          torch.exp(maps[:, :-1]), torch.exp(maps[:, 1:]), m)
+        return torch.log(gap), maps
+    total = n * (count + 1)
+    found = solved(family, mode, stacked.reshape(total, columns), sizes.reshape(-1),
+                   alpha.repeat_interleave(count + 1, output_size=total), deficits.reshape(-1),
+                   None if s is None else s.repeat_interleave(count + 1, output_size=total),
+                   None if state is None else
+                   state[:, :columns].repeat_interleave(count + 1, 0, output_size=total))
+    shape = (n, count + 1, columns)
+    log_q, lift = found.log_q.reshape(shape), found.lift.reshape(shape)
+    maps = normalized(log_q, support_mask(sizes, columns))
+    a = alpha.to(log_p.dtype).unsqueeze(-1)
+    ends = (sizes - 1, sizes.clamp_max(columns - 1))  # entries m and m + 1 of each map
+    own, after = (log_entry_term(mode, log_p.gather(1, j), log_q.gather(2, j.unsqueeze(-1))
+                                 .squeeze(-1), a) for j in ends)
+    after = torch.where(sizes < width, after, math.inf)  # (no entry past the candidates)
+    log_lam = torch.log(lam).unsqueeze(-1)
+    upper, lower = after[:, :-1], own[:, 1:]
+    value = torch.where(upper <= log_lam, upper, torch.where(lower > log_lam, lower, math.nan))
+    rows, j = torch.isnan(value).nonzero(as_tuple=True)
+    if rows.numel():
+        rho = lift[rows, j] - lift[rows, j + 1]
+        pair = (maps[rows, j], maps[rows, j + 1], m[rows, j], a[rows, 0])
+        value[rows, j] = primal_log_gap(*pair, rho) if mode == "primal" else \
+            dual_log_gap(log_p[rows], *pair, rho)
+    return value, maps

@@ -110,7 +110,7 @@ def solved(family: Family | None, mode: str, log_p: Tensor, k: Tensor, alpha: Te
         rest = (~identity).nonzero().squeeze(-1)
         lift = torch.where(torch.isfinite(log_p), 0.0, -math.inf).to(log_p.dtype)
         zero = torch.zeros_like(log_p)
-        out = Multiplier(torch.full_like(log_deficit, -math.inf), log_p.clone(), zero, zero,
+        out = Multiplier(torch.full_like(log_deficit, -math.inf), log_p.clone(), zero,
                          lift, None if mode == "primal" else torch.full_like(log_p, math.nan))
         if rest.numel():
             part = solved(family, mode, log_p[rest], k[rest], alpha[rest], log_deficit[rest],

@@ -19,56 +19,52 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 
 from ..params import BregmanParamError, BregmanParams, check_alpha, parse_lambda, parse_mode
 from .candidates import UNBOUNDED
-from .families import ITERATIVE_FAMILIES, Family, family_of, keeps_all, newton_iterations
+from .families import (
+    ITERATIVE_FAMILIES,
+    Family,
+    Route,
+    family_of,
+    keeps_all,
+    may_flag,
+    newton_iterations,
+    route,
+    width_class,
+    window_width,
+)
 from .generators import BregmanGenerator
 
 Tensor = torch.Tensor
 
-#: Candidates of the first (and usually only) window: k* up to WINDOW - 1 is certified there.
-WINDOW = 64
-#: The wider window of the closed-form families at small lambda (their cost is linear in it).
-WIDE_WINDOW = 256
-#: Below these lambdas a closed-form family's k* often passes 64 on peaked rows (standard top-k
-#: keeps every token with p_(k+1) > ~lambda S_k): it gets the wide window.
-_WIDE_BELOW = {Family.KL: 5e-3, Family.THREE_HALVES: 5e-4, Family.SQUARE: 1e-4}
-
-
 #: The fields of `BregmanParams` the plan interprets itself (the family, the support sizes).
 _INTERPRETED = ("mode", "alpha", "lam", "top_k", "k_max")
 #: Every other field of the parameter model reaches the core as it is, per row, by name
-#: (`Group.values`, `exact.ExactPlan.values`), absent (None) as 0:
+#: (`Group.values`, `ExactPlan.values`), absent (None) as 0:
 #: a new request field is read by the function that uses it, with no plumbing in between.
 ROW_FIELDS: tuple[str, ...] = tuple(
     spec.name for spec in fields(BregmanParams) if spec.name not in _INTERPRETED)
 
 
-def _row_values(params: BregmanParams) -> tuple:
+def row_values(params: BregmanParams) -> tuple:
     """The `ROW_FIELDS` of one request (None as 0)."""
     return tuple(0 if getattr(params, name) is None else getattr(params, name)
                  for name in ROW_FIELDS)
 
 
 #: Their defaults: the rows of the public functions, which take no such field.
-DEFAULT_ROW_VALUES = _row_values(BregmanParams())
+DEFAULT_ROW_VALUES = row_values(BregmanParams())
 #: The device dtype of each per-row value, from the parameter model's annotations: float64
 #: for real values, int64 for integers (sizes, counts).
 ROW_DTYPES: dict[str, torch.dtype] = {
     "alpha": torch.float64, "lam": torch.float64, "size": torch.long, "cap": torch.long,
     **{spec.name: torch.float64 if "float" in str(spec.type) else torch.long
        for spec in fields(BregmanParams) if spec.name in ROW_FIELDS}}
-
-
-def _window(family: Family, smallest_lambda: float) -> int:
-    """Sizes searched at once: iterative families solve a [K, K] system per row, so their
-    window stays at `WINDOW`; closed-form families widen it when lambda is small."""
-    if smallest_lambda < _WIDE_BELOW.get(family, 0.0):
-        return WIDE_WINDOW
-    return WINDOW
 
 
 @dataclass(frozen=True)
@@ -87,6 +83,9 @@ class Group:
     capped: bool  # adaptive rows with a cap (the limit is min(cap, #positive))
     width: int  # candidates per row (adaptive: the support sizes searched at once)
     bounded: bool  # every row's cap fits the window: certified without a window check
+    #: Some row may come back from the window uncertified (`families.may_flag`): the step
+    #: syncs once to hand those to the search.
+    flags: bool = False
     iterations: int = 0
     below_two: bool = False  # POWER: some alpha < 2 (b < 1)
     above_two: bool = False  # POWER: some alpha > 2
@@ -116,10 +115,6 @@ class Joint:
     derived: dict = field(default_factory=dict, repr=False, compare=False)
 
 
-#: Families the joint pass takes (the fixed-shape ones; lambda = 0 and the exact path apart).
-_WINDOW_FAMILIES = frozenset(Family) - {Family.KEEP_ALL, Family.EXACT}
-
-
 @dataclass(frozen=True)
 class Plan:
     groups: tuple[Group, ...]
@@ -143,9 +138,8 @@ class Plan:
             return cached
         by_width: dict[int, list[Group]] = {}
         for group in self.groups:
-            if group.family in _WINDOW_FAMILIES and group.width <= WIDE_WINDOW:
-                width = WINDOW if group.width <= WINDOW else WIDE_WINDOW
-                by_width.setdefault(width, []).append(group)
+            if route(group.family, group.fixed, group.width) == Route.WINDOW:
+                by_width.setdefault(width_class(group.width), []).append(group)
         joints = tuple(_joint(members, self.batch) for members in by_width.values()
                        if len(members) >= 2)
         shared = {id(group) for joint in joints for group in joint.groups}
@@ -163,9 +157,9 @@ def _joint(members: list[Group], batch: int) -> Joint:
     index = {row: i for i, row in enumerate(union)}
     # Two or more groups partition rows, so each has its own ``rows`` tensor.
     device = next(group.rows.device for group in members if group.rows is not None)
-    rows = None if union == list(range(batch)) else _to_device(union, torch.long, device)
+    rows = None if union == list(range(batch)) else to_device(union, torch.long, device)
     positions = tuple(
-        _to_device([index[row] for row in _host_rows(group, batch)], torch.long, device)
+        to_device([index[row] for row in _host_rows(group, batch)], torch.long, device)
         for group in members)
     return Joint(tuple(members), rows, positions, max(group.width for group in members))
 
@@ -274,7 +268,7 @@ def make_plan(
     groups = []
     for (family, fixed), members in by_key.items():
         every = len(members) == batch
-        position = None if every else _to_device(members, torch.long, device)
+        position = None if every else to_device(members, torch.long, device)
         groups.append(_group(family, mode, fixed, position, len(members),
                              [rows[i] for i in members], device, generator, vocab,
                              host_rows=tuple(members)))
@@ -285,7 +279,7 @@ def make_plan(
 Row = tuple[Family, bool, float, float, int, int, tuple]
 
 
-def _classify(mode: str, alpha: float, lam: float, top: int, cap: int, generator,
+def classify(mode: str, alpha: float, lam: float, top: int, cap: int, generator,
               validate: bool, names, vocab: int, extra: tuple = DEFAULT_ROW_VALUES) -> Row:
     alpha_name, lam_name, top_name, cap_name = names
     if validate:
@@ -327,7 +321,7 @@ def rows_family(mode: str, alphas: Sequence[float], fixed: bool) -> Family:
 
 def _shared(mode, alpha, lam, top_k, k_max, generator, validate, names, vocab):
     a = 0.0 if generator is not None else _alpha_number(alpha, names[0])
-    return _classify(mode, a, _number(lam, names[1]), _size(top_k, names[2]),
+    return classify(mode, a, _number(lam, names[1]), _size(top_k, names[2]),
                      _size(k_max, names[3]), generator, validate, names, vocab)
 
 
@@ -356,7 +350,7 @@ def _rows(mode, alpha, lam, top_k, k_max, alphas, lams, tops, caps, batch, gener
         row = seen.get(key)
         if row is None:
             a = key[0] if generator is not None else _alpha_number(key[0], names[0])
-            row = _classify(mode, float(a), _number(key[1], names[1]), _size(key[2], names[2]),
+            row = classify(mode, float(a), _number(key[1], names[1]), _size(key[2], names[2]),
                             _size(key[3], names[3]), generator, validate, names, vocab)
             seen[key] = row
         out.append(row)
@@ -382,26 +376,26 @@ def plan_requests(requests: Sequence[tuple[int, object]], *, batch: int, vocab: 
     for position, params in requests:
         row = seen.get(params)
         if row is None:
-            row = seen[params] = _classify(
+            row = seen[params] = classify(
                 params.mode, float(params.alpha), float(params.lam), params.top_k or 0,
-                params.k_max or 0, None, False, names, vocab, _row_values(params))
+                params.k_max or 0, None, False, names, vocab, row_values(params))
         by_key.setdefault((params.mode, row[0], row[1]), []).append((position, row))
     groups = []
     for (mode, family, fixed), members in by_key.items():
         positions = [position for position, _ in members]
         every = positions == list(range(batch))
-        rows = None if every else _to_device(positions, torch.long, device)
+        rows = None if every else to_device(positions, torch.long, device)
         groups.append(_group(family, mode, fixed, rows, len(members),
                              [row for _, row in members], device, None, vocab,
                              host_rows=tuple(positions)))
     scale = temperature = None
     if temperatures is not None and any(t != 1.0 for t in temperatures):
-        scale = _to_device([1.0 / t for t in temperatures], torch.float32, device)
-        temperature = _to_device(list(temperatures), torch.float32, device)
+        scale = to_device([1.0 / t for t in temperatures], torch.float32, device)
+        temperature = to_device(list(temperatures), torch.float32, device)
     return Plan(tuple(groups), batch, vocab, scale, temperature)
 
 
-def _to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> Tensor:
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Host values on ``device``: a pinned, non-blocking copy on CUDA (the stream orders it
     before any kernel that reads it), a plain tensor elsewhere."""
     host = torch.tensor(values, dtype=dtype)
@@ -414,7 +408,7 @@ def _per_row(values: list, dtype: torch.dtype, device: torch.device, uniform: bo
     """A Python number when every row shares the value, else a device tensor."""
     if uniform or all(v == values[0] for v in values):
         return values[0]
-    return _to_device(values, dtype, device)
+    return to_device(values, dtype, device)
 
 
 def _group(family: Family, mode: str, fixed: bool, rows: Tensor | None, count: int,
@@ -424,13 +418,14 @@ def _group(family: Family, mode: str, fixed: bool, rows: Tensor | None, count: i
     extra = {name: [row[6][i] for row in members] for i, name in enumerate(ROW_FIELDS)}
     capped = any(c > 0 for c in caps)
     if fixed:
-        width = max(1, max(sizes))
-        bounded = True
+        width = window_width(family, 0.0, True, max(sizes))
+        bounded, flags = True, may_flag(family, True, width, width)
     else:
         cap_values = [c if c > 0 else UNBOUNDED for c in caps]
         largest = min(max(cap_values), vocab)  # no support is larger than the vocabulary
-        width = max(1, min(_window(family, min(lams)), largest))
-        bounded = largest <= width
+        width = window_width(family, min(lams), False, largest)
+        flags = may_flag(family, False, largest, width)
+        bounded = not flags
         sizes = cap_values
     iterations = newton_iterations(family, alphas) if family in ITERATIVE_FAMILIES else 0
     below = family == Family.POWER and any(a < 2.0 for a in alphas)
@@ -440,10 +435,36 @@ def _group(family: Family, mode: str, fixed: bool, rows: Tensor | None, count: i
               for name in ("alpha", "lam", "size", *ROW_FIELDS)}
     return Group(
         family=family, mode=mode, fixed=fixed, rows=rows, count=count, values=values,
-        capped=capped, width=width, bounded=bounded, iterations=iterations,
+        capped=capped, width=width, bounded=bounded, flags=flags, iterations=iterations,
         below_two=below, above_two=above, generator=generator, host=host,
         host_rows=None if rows is None else host_rows,
     )
 
 
+class ExactPlan(NamedTuple):
+    """Per-row parameters of the exact path (all [n] tensors; fixed_k / k_max: 0 = none), the
+    rows' formula family (one plan group: decided once, by the plan; None with a user
+    generator) and the other per-row values by name (`ROW_FIELDS`, [n] tensors)."""
 
+    mode: str
+    alpha: Tensor
+    lam: Tensor
+    fixed_k: Tensor
+    k_max: Tensor
+    generator: BregmanGenerator | None = None
+    family: Family | None = None
+    values: Mapping[str, Tensor] = MappingProxyType({})
+
+
+def exact_plan(mode: str, alpha: Tensor, lam: Tensor, fixed_k: Tensor, k_max: Tensor,
+               generator: BregmanGenerator | None = None, family: Family | None = None,
+               values: Mapping[str, Tensor] | None = None) -> ExactPlan:
+    """The exact path's parameters. ``family``: the rows' family when the caller has it (a
+    plan group); else the plan's (`rows_family`). ``values``: the `ROW_FIELDS`
+    (default: their defaults)."""
+    if family is None and generator is None:
+        family = rows_family(mode, alpha.tolist(), bool((fixed_k > 0).all()))
+    if values is None:
+        values = {name: torch.full_like(fixed_k, default, dtype=ROW_DTYPES[name])
+                  for name, default in zip(ROW_FIELDS, DEFAULT_ROW_VALUES, strict=True)}
+    return ExactPlan(mode, alpha, lam, fixed_k, k_max, generator, family, values)

@@ -119,22 +119,15 @@ def _softplus(x: Tensor) -> Tensor:
     return torch.nn.functional.softplus(x, beta=1.0, threshold=40.0)
 
 
-def level_lift(lp: Tensor, beta: Tensor, tau: Tensor) -> Tensor:
-    """beta > 0: log(q_i / p_i) at the water level tau = log c (q_i^beta = p_i^beta + c^beta),
-    softplus(beta (tau - log p_i)) / beta, convex and increasing in tau (``beta``: [n, 1]).
-    alpha -> inf gives max(p_i, c) (water-filling), alpha -> 1 the KL shift."""
-    return _softplus(beta * (tau.unsqueeze(-1) - lp)) / beta
-
-
 def level_values(lp: Tensor, finite: Tensor, beta: Tensor, tau: Tensor) -> Multiplier:
     """beta > 0: every column's value at the level tau (``lp``: log p, 0 where p = 0, whose q is
     c; ``beta``: [n, 1]): log q, rate d log q / d tau = sigmoid(beta (tau - log p)) (1 for
-    zero entries), curvature beta rate (1 - rate) and log(q / p)."""
+    zero entries) and log(q / p)."""
     rise = beta * (tau.unsqueeze(-1) - lp)
     lift = _softplus(rise) / beta
     log_q = torch.where(finite, lp + lift, tau.unsqueeze(-1))
     rate = torch.where(finite, torch.sigmoid(rise), 1.0)
-    return Multiplier(tau, log_q, rate, beta * rate * (1.0 - rate),
+    return Multiplier(tau, log_q, rate,
                       torch.where(finite, lift, log_q))
 
 
@@ -162,12 +155,12 @@ def _top_lift(log_p: Tensor, beta: Tensor, delta: Tensor) -> Tensor:
 def top_values(lp: Tensor, finite: Tensor, beta: Tensor, delta: Tensor) -> Multiplier:
     """beta < 0: every column's value at delta = log q_1 - log p_1 (``lp``: log p, 0 where
     p = 0, whose q stays 0; ``beta``: [n, 1]): log q (`_top_log_q`), rate d log q / d delta =
-    (q_1 / q)^beta (0 for zero entries), curvature beta rate (1 - rate) and log(q / p)."""
+    (q_1 / q)^beta (0 for zero entries) and log(q / p)."""
     lift = _top_lift(lp, beta.squeeze(-1), delta)
     log_q = torch.where(finite, lp + lift, -math.inf)
     rate = torch.where(finite, torch.nan_to_num(torch.exp(
         beta * (lp[..., :1] + delta.unsqueeze(-1) - log_q))), 0.0)
-    return Multiplier(delta, log_q, rate, beta * rate * (1.0 - rate),
+    return Multiplier(delta, log_q, rate,
                       torch.where(finite, lift, log_q))
 
 
@@ -282,7 +275,7 @@ def primal_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
     # d^2 log q / ds^2 = beta rate (1 - rate) for both scalars (tau: rate = sigmoid(beta (tau -
     # log p)); delta: rate = (q_1 / q)^beta, d log q_1 / d delta = 1).
     lift = torch.where(positive, lift, log_q)
-    return Multiplier(scalar, log_q, rate, beta.unsqueeze(-1) * rate * (1.0 - rate), lift)
+    return Multiplier(scalar, log_q, rate, lift)
 
 
 def level_range(top: Tensor, beta: Tensor, log_deficit: Tensor, k: Tensor
@@ -310,7 +303,7 @@ def top_range(top: Tensor, log_deficit: Tensor) -> tuple[Tensor, Tensor, Tensor]
 
 def primal_values(lp: Tensor, finite: Tensor, beta: Tensor, s: Tensor, up: bool) -> Multiplier:
     """Every column's value at the scalar s of eq. (4) (`roots.Multiplier`), with rate and
-    curvature in s: ``up`` (beta > 0), s = tau, the water level (`level_values`); beta < 0,
+    in s: ``up`` (beta > 0), s = tau, the water level (`level_values`); beta < 0,
     s = log delta (`top_values`; delta spans orders of magnitude as the support grows).
     ``beta``: [n, 1]."""
     if up:
@@ -318,8 +311,7 @@ def primal_values(lp: Tensor, finite: Tensor, beta: Tensor, s: Tensor, up: bool)
     delta = torch.exp(s)
     values = top_values(lp, finite, beta, delta)
     rate = values.rate * delta.unsqueeze(-1)
-    return values._replace(s=s, rate=rate, curvature=values.curvature * delta.unsqueeze(-1) ** 2
-                           + rate)
+    return values._replace(s=s, rate=rate)
 
 
 def newton_log_renorm(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Tensor,

@@ -74,7 +74,7 @@ class Multiplier(NamedTuple):
     in one unknown per row (primal: the level of eq. (4); dual: s = log nu of eq. (5)), so
     the same scalar also gives each entry past the support the value the map would give it.
 
-    ``log_q``, ``rate``, ``curvature`` and ``lift`` cover every column the solve was given
+    ``log_q``, ``rate`` and ``lift`` cover every column the solve was given
     ([n, C]); the support is the first k columns and sums to 1 there up to `NEWTON_TOLERANCE`
     (not renormalized).
     ``state`` is the dual's inner unknowns z = log log(q / p) ([n, C]), a warm start for a
@@ -83,12 +83,5 @@ class Multiplier(NamedTuple):
     s: Tensor  # [n]
     log_q: Tensor  # [n, C] log q_j at s
     rate: Tensor  # [n, C] d log q_j / d s
-    curvature: Tensor  # [n, C] d^2 log q_j / d s^2
     lift: Tensor  # [n, C] log(q_j / p_j) >= 0, exact where tiny (p_j = 0: log q_j)
     state: Tensor | None = None
-
-    def take(self, rows: Tensor | slice, columns: int | None = None) -> Multiplier:
-        """The same values for ``rows`` only (and the first ``columns`` columns)."""
-        cut = slice(None) if columns is None else slice(None, columns)
-        return Multiplier(self.s[rows], *(None if t is None else t[rows, cut]
-                                          for t in self[1:]))

@@ -45,8 +45,6 @@ Memory: a round holds a few float64 [rows, W] arrays; rounds whose width would e
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
@@ -54,11 +52,11 @@ import torch
 from .candidates import UNBOUNDED, Candidates, candidates, take
 from .dual import dual_range, dual_values
 from .families import CLOSED_GAP_FAMILIES, QUADRATIC_DUAL_FAMILIES, Family
-from .gaps import dual_log_gap, log_entry_term, primal_log_gap
-from .generators import BregmanGenerator, generic_gap
-from .maps import log_deficit, log_renorm, solved
-from .plan import DEFAULT_ROW_VALUES, ROW_DTYPES, ROW_FIELDS, rows_family
-from .primal import level_range, normalized, primal_values, support_mask, top_range
+from .gaps import consecutive_gaps, log_entry_term
+from .generators import BregmanGenerator
+from .maps import log_deficit, log_renorm
+from .plan import ExactPlan, exact_plan
+from .primal import level_range, primal_values, top_range
 from .roots import Multiplier
 from .window import closed_sizes, support_range
 from .write import output_values, write_support
@@ -89,35 +87,6 @@ _SUM_ROUNDING = 2.3e-16
 _TERM_ROUNDING = 1e-12
 
 
-class ExactPlan(NamedTuple):
-    """Per-row parameters of the exact path (all [n] tensors; fixed_k / k_max: 0 = none), the
-    rows' formula family (one plan group: decided once, by the plan; None with a user
-    generator) and the other per-row values by name (`plan.ROW_FIELDS`, [n] tensors)."""
-
-    mode: str
-    alpha: Tensor
-    lam: Tensor
-    fixed_k: Tensor
-    k_max: Tensor
-    generator: BregmanGenerator | None = None
-    family: Family | None = None
-    values: Mapping[str, Tensor] = MappingProxyType({})
-
-
-def exact_plan(mode: str, alpha: Tensor, lam: Tensor, fixed_k: Tensor, k_max: Tensor,
-               generator: BregmanGenerator | None = None, family: Family | None = None,
-               values: Mapping[str, Tensor] | None = None) -> ExactPlan:
-    """The exact path's parameters. ``family``: the rows' family when the caller has it (a
-    plan group); else the plan's (`plan.rows_family`). ``values``: the `plan.ROW_FIELDS`
-    (default: their defaults)."""
-    if family is None and generator is None:
-        family = rows_family(mode, alpha.tolist(), bool((fixed_k > 0).all()))
-    if values is None:
-        values = {name: torch.full_like(fixed_k, default, dtype=ROW_DTYPES[name])
-                  for name, default in zip(ROW_FIELDS, DEFAULT_ROW_VALUES, strict=True)}
-    return ExactPlan(mode, alpha, lam, fixed_k, k_max, generator, family, values)
-
-
 # ----------------------------------------------------------------------------- 3. probes
 
 
@@ -141,14 +110,6 @@ class _Rows(NamedTuple):
 
     def take(self, rows: Tensor) -> _Rows:
         return _Rows(*(t[rows] for t in self))
-
-
-def _kind(mode: str, family: Family | None, alpha: Tensor) -> Tensor:
-    """Which scalar each row's map has: 0 the dual's log nu, 1 the primal's water level
-    (alpha > 1), 2 the primal's log delta (alpha < 1)."""
-    if mode == "dual":
-        return torch.zeros_like(alpha, dtype=torch.long)
-    return torch.where(alpha > 1.0, 1, 2)
 
 
 def _values(kind: int, family: Family | None, rows: _Rows, s: Tensor,
@@ -256,126 +217,85 @@ def _warm(kind: int, values: Multiplier, old: Tensor, new: Tensor) -> Tensor | N
     return torch.where(moved > 0.5 * u, torch.log(moved.clamp_min(1e-300)), math.nan)
 
 
+class _Walk(NamedTuple):
+    """The probes' state per row still searching: its index among the search's rows, the
+    scalar s, the bracket of s (D < 0 below it, D > 0 above) with D there (NaN: not probed),
+    the side of the last probe, the probes in a row that did not narrow the bracket of k*."""
+
+    index: Tensor
+    s: Tensor
+    s_low: Tensor
+    s_high: Tensor
+    d_low: Tensor
+    d_high: Tensor
+    above: Tensor
+    stale: Tensor
+
+    def take(self, keep: Tensor) -> _Walk:
+        return _Walk(*(t[keep] for t in self))
+
+
 def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tensor,
-            high: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+            high: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Probes on the multiplier (module docstring, step 3) for rows of one kind, until their
     bracket [low, high] of k* is one size wide, or at most `SETTLE` wide and no longer
-    narrowing, or known to pass the candidates. Returns (low, high, the last probe's scalar
-    and size per row, and the dual's inner unknowns there: warm starts for the maps)."""
+    narrowing (or three probes in a row: ties, where the weak-duality bounds cannot part the
+    sizes and exact gaps do), or known to pass the candidates. Returns (low, high, the last
+    probe's scalar per row and the dual's inner unknowns there: warm starts for the maps)."""
     n, width = rows.p.shape
     low, high = low.clone(), high.clone()
     top_size = torch.minimum(high, torch.full_like(high, width)).sub(1).clamp_min(1)
     s_low, _, s_high = _ends(kind, rows, top_size)
-    # The first probe near the scalar of the lowest size k* may have (where the floor of the
-    # gaps left it, the extreme rows' k* is often next to it).
+    # The first probe near the scalar of the lowest size k* may have (the extreme rows' k* is
+    # often next to the floor of the gaps).
     s = _ends(kind, rows, torch.minimum(low.clamp_min(1), top_size))[1]
     s = torch.minimum(torch.maximum(s, s_low), s_high)
     last = s.clone()
-    last_size = low.clone()
     state = None if kind else torch.full_like(rows.p, math.nan)
-    index = torch.arange(n, device=low.device)  # the rows still searching
-    stale = torch.zeros_like(index)  # probes in a row that did not narrow the bracket
-    d_low = torch.full_like(s, math.nan)  # D at the bracket's ends (NaN: not probed)
-    d_high = d_low.clone()
-    was_above = torch.zeros_like(index, dtype=torch.bool)  # the side of the last probe
+    nan = torch.full_like(s, math.nan)
+    walk = _Walk(torch.arange(n, device=low.device), s, s_low, s_high, nan, nan,
+                 torch.zeros_like(low, dtype=torch.bool), torch.zeros_like(low))
     sub, start = rows, None
     for _ in range(PROBES):
-        found = _probe(mode, kind, family, sub, s, start)
-        lo = torch.maximum(low[index], found.low)
-        hi = torch.minimum(high[index], found.high)
-        narrowed = (lo > low[index]) | (hi < high[index])
-        low[index], high[index], last[index], last_size[index] = lo, hi, s, found.size
+        found = _probe(mode, kind, family, sub, walk.s, start)
+        i, s = walk.index, walk.s
+        lo, hi = torch.maximum(low[i], found.low), torch.minimum(high[i], found.high)
+        narrowed = (lo > low[i]) | (hi < high[i])
+        low[i], high[i], last[i] = lo, hi, s
         if state is not None and found.values.state is not None:
-            state[index, : sub.p.shape[-1]] = found.values.state
+            state[i, : sub.p.shape[-1]] = found.values.state
         above = found.residual > 0  # D increases with s
         # (Illinois: an end kept twice in a row counts half, so regula falsi cannot stall)
-        d_low = torch.where(above & was_above, 0.5 * d_low, d_low)
-        d_high = torch.where(~above & ~was_above, 0.5 * d_high, d_high)
-        was_above = above
-        s_high, d_high = torch.where(above, s, s_high), torch.where(above, found.residual, d_high)
-        s_low, d_low = torch.where(above, s_low, s), torch.where(above, d_low, found.residual)
+        d_low = torch.where(above & walk.above, 0.5 * walk.d_low, walk.d_low)
+        d_high = torch.where(~above & ~walk.above, 0.5 * walk.d_high, walk.d_high)
+        s_high, d_high = torch.where(above, s, walk.s_high), torch.where(above, found.residual,
+                                                                         d_high)
+        s_low, d_low = torch.where(above, walk.s_low, s), torch.where(above, d_low,
+                                                                      found.residual)
         proposal = s + found.step
         inside = (proposal > s_low) & (proposal < s_high)  # (False for NaN and +-inf too)
         # Else regula falsi between the bracket's ends (bisection while one has no D).
-        share = (d_low / (d_low - d_high)).clamp(0.05, 0.95)
-        share = torch.where(torch.isnan(share), 0.5, share)
-        s_new = torch.where(inside, proposal, s_low + share * (s_high - s_low))
-        # A row stops once its bracket is one size wide, or stops narrowing (at most `SETTLE`
-        # sizes wide, or three probes in a row: ties, where the weak-duality bounds cannot
-        # part the sizes and exact gaps do), or passes the candidates.
-        stale = torch.where(narrowed | ~found.exact, 0, stale + 1)
+        share = torch.nan_to_num((d_low / (d_low - d_high)).clamp(0.05, 0.95), nan=0.5)
+        stale = torch.where(narrowed | ~found.exact, 0, walk.stale + 1)
+        walk = _Walk(i, torch.where(inside, proposal, s_low + share * (s_high - s_low)), s_low,
+                     s_high, d_low, d_high, above, stale)
         go = (hi - lo > 1) & (narrowed | ((hi - lo > SETTLE) & (stale < 3))) \
-            & (s_high - s_low > 1e-14 * (1.0 + s.abs())) \
-            & ((hi <= width) | (lo < width - 1))
+            & (s_high - s_low > 1e-14 * (1.0 + s.abs())) & ((hi <= width) | (lo < width - 1))
         keep = go.nonzero().squeeze(-1)
         if keep.numel() == 0:
             break
-        start = _warm(kind, found.values, s, s_new)
+        start = _warm(kind, found.values, s, walk.s)
         # Columns past every bracket's end play no part in the next probes.
         columns = min(sub.p.shape[-1], int(hi[keep].max()) + 2)
         if keep.numel() < go.numel() or columns < sub.p.shape[-1]:
-            index, s_low, s_high, s_new = index[keep], s_low[keep], s_high[keep], s_new[keep]
-            stale, d_low, d_high = stale[keep], d_low[keep], d_high[keep]
-            was_above = was_above[keep]
+            walk = walk.take(keep)
             sub = _Rows(*(t[keep, :columns] if t.dim() == 2 and t.shape[-1] > 1 else t[keep]
                           for t in sub))
             start = None if start is None else start[keep, :columns]
-        s = s_new
-    return low, high, last, last_size, state
+    return low, high, last, state
 
 
 # ----------------------------------------------------------------------------- 4. exact gaps
-
-
-def _gaps(family: Family | None, mode: str, cand: Candidates, start: Tensor, count: int,
-          alpha: Tensor, lam: Tensor, generator: BregmanGenerator | None, s: Tensor | None,
-          state: Tensor | None) -> tuple[Tensor, Tensor]:
-    """log G(m) for m = start .. start + count - 1 per row ([n, count]), or a bound of it on
-    the same side of log lambda, from the maps of the count + 1 consecutive supports (start +
-    count <= candidates); and those maps (log T_m for m = start .. start + count, normalized,
-    [n, count + 1, C]). The maps are solved by their multipliers (`maps.solved`; ``s`` /
-    ``state``: warm starts): each one's own weak-duality bounds, G(m) <= w_(m+1)(s_m) and
-    G(m) >= w_(m+1)(s_(m+1)), decide most gaps; the others are the exact formulas of `gaps`,
-    the ratios q_i / q'_i exact from the multipliers. A user generator's maps are its generic
-    ones, and its gaps `generators.generic_gap`."""
-    sizes = start.unsqueeze(-1) + torch.arange(count + 1, device=start.device)
-    width = cand.log_x.shape[-1]
-    columns = min(width, int(sizes.max()) + 1)
-    log_p = cand.log_x[:, :columns]
-    n = log_p.shape[0]
-    m = sizes[:, :-1]
-    stacked = log_p.unsqueeze(1).expand(-1, count + 1, -1)
-    deficits = log_deficit(cand, sizes)
-    if generator is not None:
-        maps = log_renorm(family, mode, stacked, sizes, alpha.unsqueeze(-1).expand_as(sizes),
-                          deficits, generator)
-        gap = generic_gap(mode, generator, torch.exp(log_p.unsqueeze(1).expand(-1, count, -1)),
-                          torch.exp(maps[:, :-1]), torch.exp(maps[:, 1:]), m)
-        return torch.log(gap), maps
-    total = n * (count + 1)
-    found = solved(family, mode, stacked.reshape(total, columns), sizes.reshape(-1),
-                   alpha.repeat_interleave(count + 1, output_size=total), deficits.reshape(-1),
-                   None if s is None else s.repeat_interleave(count + 1, output_size=total),
-                   None if state is None else
-                   state[:, :columns].repeat_interleave(count + 1, 0, output_size=total))
-    shape = (n, count + 1, columns)
-    log_q, lift = found.log_q.reshape(shape), found.lift.reshape(shape)
-    maps = normalized(log_q, support_mask(sizes, columns))
-    a = alpha.to(log_p.dtype).unsqueeze(-1)
-    ends = (sizes - 1, sizes.clamp_max(columns - 1))  # entries m and m + 1 of each map
-    own, after = (log_entry_term(mode, log_p.gather(1, j), log_q.gather(2, j.unsqueeze(-1))
-                                 .squeeze(-1), a) for j in ends)
-    after = torch.where(sizes < width, after, math.inf)  # (no entry past the candidates)
-    log_lam = torch.log(lam).unsqueeze(-1)
-    upper, lower = after[:, :-1], own[:, 1:]
-    value = torch.where(upper <= log_lam, upper, torch.where(lower > log_lam, lower, math.nan))
-    rows, j = torch.isnan(value).nonzero(as_tuple=True)
-    if rows.numel():
-        rho = lift[rows, j] - lift[rows, j + 1]
-        pair = (maps[rows, j], maps[rows, j + 1], m[rows, j], a[rows, 0])
-        value[rows, j] = primal_log_gap(*pair, rho) if mode == "primal" else \
-            dual_log_gap(log_p[rows], *pair, rho)
-    return value, maps
 
 
 def _settle(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, lam: Tensor,
@@ -415,9 +335,9 @@ def _settle(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
             first = torch.minimum(torch.maximum(guess.round().long(), lo + quarter),
                                   hi - 1 - quarter)
         first = torch.minimum(first, hi - 1).clamp_max(width - count)  # T_(first + count) exists
-        log_gap, maps = _gaps(family, mode, take(cand, active), first, count, alpha[active],
-                              lam[active], generator, None if s is None else s[active],
-                              None if state is None else state[active])
+        log_gap, maps = consecutive_gaps(
+            family, mode, take(cand, active), first, count, alpha[active], lam[active],
+            generator, None if s is None else s[active], None if state is None else state[active])
         sizes = first.unsqueeze(-1) + torch.arange(count, device=lo.device)
         inside = (sizes >= lo.unsqueeze(-1)) & (sizes < hi.unsqueeze(-1))
         exceeds = log_gap > log_lam[active].unsqueeze(-1)
@@ -498,7 +418,10 @@ def _search_rows(plan: ExactPlan, cand: Candidates, alpha: Tensor, lam: Tensor, 
     with multipliers. Returns their bracket of k* and warm starts for the maps of `_settle`:
     scalar, (dual) inner unknowns."""
     width = cand.x.shape[-1]
-    kinds = _kind(plan.mode, plan.family, alpha)
+    # Which scalar each row's map has: 0 the dual's log nu, 1 the primal's water level (alpha >
+    # 1), 2 the primal's log delta (alpha < 1).
+    kinds = torch.zeros_like(alpha, dtype=torch.long) if plan.mode == "dual" else \
+        torch.where(alpha > 1.0, 1, 2)
     rows = _Rows.of(cand, alpha, lam)
     # The floor: every scalar is at least that of no deficit, where q = p, so an entry whose
     # term exceeds lambda there has G(j - 1) > lambda (w increases with s).
@@ -507,7 +430,6 @@ def _search_rows(plan: ExactPlan, cand: Candidates, alpha: Tensor, lam: Tensor, 
     lo = torch.maximum(lo, torch.minimum(
         (floor > (rows.log_lam + tolerance).unsqueeze(-1)).sum(-1), hi))
     s = torch.full_like(alpha, math.nan)  # (no warm start for rows without probes)
-    size = lo.clone()
     state = torch.full_like(cand.x, math.nan) if plan.mode == "dual" else None
     for kind in kinds.unique().tolist():
         # (rows whose k* is known to pass the candidates wait for a wider round)
@@ -517,10 +439,10 @@ def _search_rows(plan: ExactPlan, cand: Candidates, alpha: Tensor, lam: Tensor, 
             continue
         got = _search(plan.mode, kind, plan.family, rows.take(part), lo[part], hi[part])
         # (the maps' solvers take delta itself below alpha = 1, `primal.primal_multiplier`)
-        lo[part], hi[part], size[part] = got[0], got[1], got[3]
+        lo[part], hi[part] = got[0], got[1]
         s[part] = got[2].exp() if kind == 2 else got[2]
-        if got[4] is not None:
-            state[part] = got[4]
+        if got[3] is not None:
+            state[part] = got[3]
     return lo, hi, s, state
 
 
@@ -644,3 +566,6 @@ def decode_exact(out: Tensor, k_out: Tensor, scores: Tensor, plan: ExactPlan, *,
             grown = vocab
         # No wider than the rows' sizes need, and wider than this round.
         width = min(vocab, max(min(grown, widest), width + 1))
+
+
+__all__ = ["MEMORY_BUDGET", "ExactPlan", "decode_exact", "exact_plan"]

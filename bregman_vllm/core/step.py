@@ -12,9 +12,9 @@ intermediate:
    support size and the map on the candidates: fixed k, or the adaptive k* (the minimizer of
    cost(k), eq. (6) of arXiv 2505.19371) over a fixed window of sizes (`window`), with a
    certificate for rows whose answer could lie outside what the window decided;
-2. one host sync, only for plans that can produce uncertified rows (`_may_flag`): how many rows
-   need the exact path; those rows are then decoded by it (`exact`, value-dependent) from the
-   scores, which are still as given;
+2. one host sync, only for plans that can produce uncertified rows (`families.may_flag`): how
+   many rows need the search; those rows are then decoded by it (`search`, value-dependent)
+   from the scores, which are still as given;
 3. `_finish`: the write (`write.write_support`, write 3): -inf (logits) or 0 off the support,
    log q (or q) on it; rows that are not distributions (NaN, +inf, no mass) keep their values.
 
@@ -27,16 +27,13 @@ log-normalizer only; the values written are T log q.
 Extra memory of one step (besides the output) is bounded for any parameters: a gathered copy of
 the rows when a pass is not the whole batch, O(n W) float64 candidate arrays, O(n K^2) float64
 Newton arrays for the iterative families (K = window <= 64), and row chunks of at most
-`exact.MEMORY_BUDGET` bytes for fixed-k groups wider than the window and for the exact path.
+`search.MEMORY_BUDGET` bytes for fixed-k groups wider than the window and for the exact path.
 No float64 [n, V] array is ever made. `step_memory_bound` gives the bound in bytes.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -44,17 +41,9 @@ from typing import NamedTuple
 import torch
 
 from .candidates import UNBOUNDED, Candidates, candidates, log_smallest, select
-from .families import CLOSED_GAP_FAMILIES, ITERATIVE_FAMILIES, Family
-from .plan import (
-    ROW_DTYPES,
-    ROW_FIELDS,
-    WIDE_WINDOW,
-    WINDOW,
-    Group,
-    Joint,
-    Plan,
-    _to_device,
-)
+from .families import CLOSED_GAP_FAMILIES, ITERATIVE_FAMILIES, WIDE_WINDOW, WINDOW, Family
+from .plan import ROW_DTYPES, ROW_FIELDS, Group, Joint, Plan, to_device
+from .result import StepResult
 from .search import MEMORY_BUDGET, decode_exact, exact_plan
 from .window import (
     Decoded,
@@ -67,17 +56,6 @@ from .window import (
 from .write import output_values, write_support
 
 Tensor = torch.Tensor
-logger = logging.getLogger(__name__)
-
-
-class StepResult(NamedTuple):
-    """What one `decode_step` returns."""
-
-    out: Tensor  # [N, V] the decoded batch (``scores`` itself when in place)
-    k: Tensor  # [N] support size per row, on the device (0 for rows not decoded)
-    #: Rows the fixed-shape step handed to the exact path (a host int, read at the step's one
-    #: sync; 0 when the step did not sync). Exact-family rows are not counted.
-    exact_rows: int
 
 
 class _Window(NamedTuple):
@@ -108,13 +86,13 @@ class _Pass:
     exact_rows: int = 0  # rows a chunked pass handed to the exact path
 
 
-def decode_step(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = False,
-                backend: str | None = None) -> StepResult:
+def decode_step(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = False
+                ) -> StepResult:
     """Decode the rows of ``scores`` ([N, V] logits, or probabilities with ``logits=False``)
     that the plan's groups name; rows outside every group are left as they are (and get
-    k = 0). With ``inplace`` the result is written into ``scores``. ``backend``: "triton" or
-    "torch" (default: `chosen_backend`); the kernels (`bregman_vllm.kernels`) give the same
-    supports and maps as this step (tests/test_kernels.py).
+    k = 0). With ``inplace`` the result is written into ``scores``. The kernels
+    (`bregman_vllm.kernels`, chosen by `bregman_vllm.backend`) give the same supports and maps
+    (tests/test_kernels.py).
 
     Exceptions propagate. With ``inplace``, one raised by the exact path is raised after the
     other rows were written, and carries ``bregman_uncertified_rows`` (the rows the exact path
@@ -122,10 +100,6 @@ def decode_step(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = Fal
     window, or their own values for exact-family rows): ``scores`` is then decoded and must not
     be decoded again.
     """
-    if (backend or chosen_backend(scores.device)) == "triton" and _kernels_take(scores, plan):
-        from ..kernels import decode_plan
-
-        return decode_plan(scores, plan, logits=logits, inplace=inplace)
     alone, joints = plan.passes()
     passes = [_start(scores, owner, plan, logits, inplace) for owner in (*alone, *joints)]
     # The step's only host sync, for plans that can produce uncertified rows.
@@ -247,6 +221,7 @@ class _Static:
     fixed: bool
     capped: bool
     bounded: bool
+    flags: bool
     width: int
     iterations: int
     below_two: bool
@@ -258,8 +233,8 @@ class _Static:
         static = group.derived.get("static")
         if static is None:
             static = group.derived["static"] = cls(
-                group.family, group.fixed, group.capped, group.bounded, group.width,
-                group.iterations, group.below_two, group.above_two)
+                group.family, group.fixed, group.capped, group.bounded, group.flags,
+                group.width, group.iterations, group.below_two, group.above_two)
         return static
 
 
@@ -282,15 +257,6 @@ def fixed_shape_group(rows: Tensor, static: _Static, values: Mapping, logits: bo
             cand.valid, needs, decoded.past)
 
 
-def _may_flag(static: _Static) -> bool:
-    """Whether a group's rows can come back uncertified (then the step syncs once): adaptive
-    groups whose supports may pass the window, and iterative fixed sizes wider than `WINDOW`
-    (`_support_and_map` asks for the certificates exactly there)."""
-    if static.fixed:
-        return static.family in ITERATIVE_FAMILIES and static.width > WINDOW
-    return not static.bounded
-
-
 def joint_groups(rows: Tensor, joint: _JointStatic, positions: tuple[Tensor, ...],
                  values: tuple[Mapping, ...], logits: bool, scale: Tensor | None):
     """Step 1 for several groups in one pass: one candidate set of ``joint.width`` for all
@@ -301,7 +267,7 @@ def joint_groups(rows: Tensor, joint: _JointStatic, positions: tuple[Tensor, ...
     n, width = cand.x.shape
     log_q = cand.x.new_full((n, width), -math.inf)
     k = torch.zeros(n, dtype=torch.long, device=rows.device)
-    flags = any(_may_flag(static) for static in joint.statics)
+    flags = any(static.flags for static in joint.statics)
     needs = torch.zeros(n, dtype=torch.bool, device=rows.device) if flags else None
     past = torch.zeros(n, dtype=torch.bool, device=rows.device) if flags else None
     for i, static in enumerate(joint.statics):
@@ -312,7 +278,7 @@ def joint_groups(rows: Tensor, joint: _JointStatic, positions: tuple[Tensor, ...
             torch.nn.functional.pad(decoded.log_q, (0, short), value=-math.inf)
         log_q.index_copy_(0, where, rows_log_q)
         k.index_copy_(0, where, decoded.k)
-        if decoded.uncertain is not None and needs is not None:  # (`_may_flag` says when)
+        if decoded.uncertain is not None and needs is not None:  # (`families.may_flag` says when)
             needs.index_copy_(0, where, decoded.uncertain)
         if decoded.past is not None and past is not None:
             past.index_copy_(0, where, decoded.past)
@@ -339,7 +305,7 @@ def _support_and_map(cand: Candidates, static: _Static, values: Mapping) -> Deco
         if family in ITERATIVE_FAMILIES:
             return iterative_fixed(family, cand, alpha, k, static.width, static.iterations,
                                    static.below_two, static.above_two,
-                                   certify=_may_flag(static))
+                                   certify=static.flags)
         return Decoded(k, closed_map(family, cand, k, static.width), None)
     low, limit = support_range(cand, values, static.capped)
     if family in CLOSED_GAP_FAMILIES:
@@ -347,7 +313,7 @@ def _support_and_map(cand: Candidates, static: _Static, values: Mapping) -> Deco
                              low=low)
     return iterative_search(family, cand, alpha, values["lam"], limit, static.width,
                             static.iterations, static.bounded, static.below_two,
-                            static.above_two, certify=_may_flag(static), low=low)
+                            static.above_two, certify=static.flags, low=low)
 
 
 #: Peak bytes per (row, candidate) of a fixed-k group (measured: 59 for dual 3/2, k = 20000).
@@ -411,7 +377,7 @@ def _exact(p: _Pass, out: Tensor | None, logits: bool, any_flagged: bool) -> Non
         return
     groups = [(p.owner, None)] if isinstance(p.owner, Group) else \
         [(group, where) for group, where in zip(p.owner.groups, p.owner.positions, strict=True)
-         if _may_flag(_Static.of(group))]
+         if group.flags]
     k = p.k.clone()
     try:
         for group, where in groups:
@@ -439,7 +405,7 @@ def _exact_inputs(group: Group, device: torch.device, piece: slice | None = None
     key = ("exact inputs", device)
     if key not in group.derived:  # once per plan: pinned, non-blocking copies
         group.derived[key] = {
-            name: _to_device(group.host[name], dtype, device).expand(group.count)
+            name: to_device(group.host[name], dtype, device).expand(group.count)
             for name, dtype in (("alpha", torch.float64), ("lam", torch.float64),
                                 ("size", torch.long), ("cap", torch.long),
                                 *((name, ROW_DTYPES[name]) for name in ROW_FIELDS))}
@@ -536,60 +502,6 @@ def _keep_all(p2: Tensor) -> tuple[Tensor, Tensor]:
     return normalized, support
 
 
-# ----------------------------------------------------------------------------- backend
-
-BACKENDS = ("auto", "triton", "torch")
-_WARNED: set[str] = set()
-
-
-def chosen_backend(device: torch.device) -> str:
-    """``BREGMAN_BACKEND``: "auto" (the default) runs the Triton kernels (`bregman_vllm.kernels`:
-    four launches, no host plan, no sync for bounded supports) on CUDA tensors and this torch
-    step elsewhere (on a CPU the eager ops are the fast ones); "triton" runs the kernels on any
-    tensors (CPU tensors under Triton's interpreter: ``TRITON_INTERPRET=1`` set before Triton is
-    imported); "torch" runs this step. Returns "triton" or "torch"."""
-    return _backend_choice(os.environ.get("BREGMAN_BACKEND", "auto"), device.type)
-
-
-@functools.lru_cache(maxsize=16)
-def _backend_choice(setting: str, device_type: str) -> str:
-    # Parsed once per (setting, device): the step asks at every call.
-    choice = setting.strip().lower()
-    if choice not in BACKENDS:
-        raise ValueError(f"BREGMAN_BACKEND must be one of {', '.join(BACKENDS)}, got "
-                         f"{setting!r}")
-    if choice == "auto":
-        choice = "triton" if device_type == "cuda" else "torch"
-    if choice == "triton" and not _triton_importable():
-        if setting.strip().lower() == "triton":
-            raise ValueError("BREGMAN_BACKEND=triton needs the triton package")
-        _warn_once("triton", "Triton is not installed: the Bregman step runs on torch ops")
-        return "torch"
-    return choice
-
-
-def _triton_importable() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None
-
-
-def _warn_once(kind: str, message: str) -> None:
-    if kind not in _WARNED:
-        _WARNED.add(kind)
-        logger.warning(message)
-
-
-def _kernels_take(scores: Tensor, plan: Plan) -> bool:
-    """Whether the kernels decode this call (otherwise this step does): float64 scores, tiny
-    vocabularies and user generators stay here."""
-    if any(group.generator is not None for group in plan.groups):
-        return False
-    from ..kernels import usable
-
-    return usable(scores)
-
-
 def step_memory_bound(batch: int, vocab: int, dtype: torch.dtype = torch.float32) -> int:
     """Upper bound, in bytes, of the extra memory one `decode_step` allocates for ``batch``
     rows of ``vocab`` scores, whatever the parameters (the output itself not counted):
@@ -599,7 +511,7 @@ def step_memory_bound(batch: int, vocab: int, dtype: torch.dtype = torch.float32
       its rows (or a keep-all pass's count);
     * per row, the candidate arrays of the window (the W * BLOCK gathered entries and a few
       float64 [W] arrays) and the iterative families' float64 [K, K] Newton arrays (K <= W);
-    * `exact.MEMORY_BUDGET` for what runs in row chunks: the exact path (uncertified rows) and
+    * `search.MEMORY_BUDGET` for what runs in row chunks: the exact path (uncertified rows) and
       fixed-k groups wider than the window. The two never run at the same time.
     """
     item = torch.empty((), dtype=dtype).element_size()
@@ -609,4 +521,4 @@ def step_memory_bound(batch: int, vocab: int, dtype: torch.dtype = torch.float32
     return full + candidate + newton + MEMORY_BUDGET
 
 
-__all__ = ["UNBOUNDED", "StepResult", "decode_step", "step_memory_bound"]
+__all__ = ["UNBOUNDED", "decode_step", "step_memory_bound"]

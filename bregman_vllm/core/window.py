@@ -16,7 +16,7 @@ function returns, with k* and log T_k*, whether the row is *certified*:
   two decisive comparisons, G(k* - 1) > lambda and G(k*) <= lambda, hold with a margin larger
   than the rounding bound of the formula that computed G.
 
-An uncertified row is decoded again by the exact path (`exact`), so certification trades speed,
+An uncertified row is decoded again by the exact path (`search`), so certification trades speed,
 never exactness. The step asks the iterative families for the numerical certificate
 (``certify``) only where a row's support may pass the window. Where every support fits it,
 leaving the certificate out removes the step's only host sync; that rests on evidence rather
@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 
-from .candidates import Candidates, _arange
+from .candidates import Candidates, cached_arange
 from .dual import quadratic_root
 from .families import Family
 from .gaps import closed_form_gaps
@@ -62,7 +62,7 @@ MARGIN = 1e-12
 
 class Decoded(NamedTuple):
     """The result of a support search (this window's, or a candidate round of the exact path,
-    `exact`): k* per row, log T_k* on the first W' candidates (-inf past k*), which rows are
+    `search`): k* per row, log T_k* on the first W' candidates (-inf past k*), which rows are
     not certified (None: every row is certified by construction), for those a lower bound on
     k* that the window did certify (``past``: the row needs sizes past the window only, every
     G(k) of the window being clearly above lambda; None: no such row), and which rows have
@@ -89,7 +89,7 @@ def first_stop(stop: Tensor, window: int) -> Tensor:
     """The first k in 1 .. window - 1 whose ``stop`` ([n, window - 1]) holds, else window."""
     if window == 1:
         return torch.ones(stop.shape[0], dtype=torch.long, device=stop.device)
-    sizes = _arange(window + 1, stop.device, torch.float32)[1:window]
+    sizes = cached_arange(window + 1, stop.device, torch.float32)[1:window]
     return first_true(stop, sizes, window)
 
 
@@ -102,7 +102,7 @@ def support_log(q: Tensor) -> Tensor:
 def support_range(cand: Candidates, values: Mapping, capped: bool = True
                   ) -> tuple[Tensor | None, Tensor]:
     """The support sizes an adaptive row's k* may take, [low, limit], from the row's values
-    (`plan.Group.values`, `exact.ExactPlan.values`): limit = min(cap, number of positive
+    (`plan.Group.values`, `plan.ExactPlan.values`): limit = min(cap, number of positive
     entries) (``values["size"]``: the cap, `candidates.UNBOUNDED` for none; ``capped`` False:
     no row has one); low None: 1. The one place both searches (this window's and the exact
     path's) read the bounds of their sizes from the parameters."""
@@ -135,7 +135,7 @@ def closed_gaps(family: Family, x: Tensor, deficit: Tensor) -> Tensor:
 def closed_map(family: Family, cand: Candidates, k: Tensor, width: int) -> Tensor:
     """log T_k on the first ``width`` candidates for the closed-form families: the maps of
     `primal` (eq. (1) and Proposition 4.1), applied to the candidates."""
-    inside = _arange(width, cand.x.device) < k.unsqueeze(-1)
+    inside = cached_arange(width, cand.x.device) < k.unsqueeze(-1)
     log_deficit = torch.log(torch.gather(cand.deficit, 1, (k - 1).unsqueeze(-1)).squeeze(-1))
     return closed_log_renorm(family, cand.log_x[:, :width], inside, log_deficit, k)
 
@@ -147,7 +147,7 @@ def closed_sizes(family: Family, cand: Candidates, lam: Scalar, limit: Tensor, w
     window's search and the exact path's rounds both use it)."""
     x, deficit = cand.x[:, :window], cand.deficit[:, :window]
     gaps = closed_gaps(family, x, deficit)
-    sizes = _arange(window + 1, x.device)[1:window]
+    sizes = cached_arange(window + 1, x.device)[1:window]
     stop = (gaps <= column(lam)) | (sizes >= limit.unsqueeze(-1))
     if low is not None:
         stop &= sizes >= low.unsqueeze(-1)
@@ -326,7 +326,7 @@ def _power_map(cand: Candidates, k: Tensor, alpha: Scalar, width: int, v: Tensor
     1e-40 of the mass: its tail entries would get ~1e-17); this finds c to full relative
     precision, so every entry is exact, q_i >= p_i."""
     lp, x = cand.log_x[:, :width], cand.x[:, :width]
-    inside = _arange(width, k.device) < k.unsqueeze(-1)
+    inside = cached_arange(width, k.device) < k.unsqueeze(-1)
     b = column(alpha - 1.0)
     log_r = torch.log(torch.gather(cand.deficit, 1, (k - 1).unsqueeze(-1)))  # [n, 1]
     share = log_r - torch.log(k.unsqueeze(-1).to(lp.dtype))
@@ -360,14 +360,14 @@ def iterative_search(family: Family, cand: Candidates, alpha: Scalar, lam: Scala
     unless ``bounded``. Without ``certify`` nothing is flagged (``uncertain`` is None).
     ``low``: the smallest size allowed (`support_range`; None: 1)."""
     device = cand.x.device
-    sizes = _arange(window + 1, device, torch.float64)[1:]
+    sizes = cached_arange(window + 1, device, torch.float64)[1:]
     mask = _triangle(window, device)
     solved = _solve(family, cand, cand.deficit[:, :window], sizes, mask, alpha, iterations,
                     window, below_two, above_two)
     h = solved.h
     drop = h[:, :-1] - h[:, 1:]
     threshold = column(lam) * column(solved.factor)
-    count = _arange(window + 1, device)[1:]
+    count = cached_arange(window + 1, device)[1:]
     below = count[:-1] < limit.unsqueeze(-1)  # sizes whose gap may decide k*
     stop = (drop <= threshold) | ~below
     if low is not None:
@@ -405,7 +405,7 @@ def iterative_fixed(family: Family, cand: Candidates, alpha: Scalar, k: Tensor, 
     at = (k - 1).unsqueeze(-1)
     deficit = torch.gather(cand.deficit, 1, at)  # [n, 1]
     sizes = k.unsqueeze(-1).to(torch.float64)
-    mask = (_arange(width, k.device) < k.view(-1, 1, 1)).to(torch.float64)
+    mask = (cached_arange(width, k.device) < k.view(-1, 1, 1)).to(torch.float64)
     solved = _solve(family, cand, deficit, sizes, mask, alpha, iterations, width, below_two,
                     above_two)
     uncertain = ~(solved.residual.squeeze(-1).abs() <= TOLERANCE) if certify else None

@@ -1,7 +1,7 @@
 """The one writer of decoded rows: log q on the support, -inf (logits) or 0 (probabilities) off it.
 
 Both the fixed-shape step (`step`, every row of a pass at once, rows chosen by a device mask)
-and the exact path (`exact`, the rows it finished, chosen on the host) write with
+and the exact path (`search`, the rows it finished, chosen on the host) write with
 `write_support`; `output_values` turns log q into what is written. The write is the step's one
 pass over the batch that is not a read: off the support a row is filled (write-only), its K
 support values are scattered in; nothing else of the row is read.

@@ -27,8 +27,8 @@ from triton.language.extra import libdevice
 
 from ..core import candidates as _candidates
 from ..core import window as _window
-from ..core.families import Family
-from ..core.rows import FAMILY_CODES
+from ..core.families import Family, Route
+from ..rows import FAMILY_CODES, ROUTE_CODES
 
 #: Triton's interpreter runs these functions (CPU tensors; ``TRITON_INTERPRET=1`` before Triton
 #: was imported). (Triton before 3.4 has no ``knobs``: the variable itself.)
@@ -45,6 +45,10 @@ POWER = tl.constexpr(FAMILY_CODES[Family.POWER])
 DUAL_THREE_HALVES = tl.constexpr(FAMILY_CODES[Family.DUAL_THREE_HALVES])
 DUAL_THREE = tl.constexpr(FAMILY_CODES[Family.DUAL_THREE])
 EXACT = tl.constexpr(FAMILY_CODES[Family.EXACT])
+#: What decodes a row (`families.route`): the route column's codes.
+ROUTE_KEEP = tl.constexpr(ROUTE_CODES[Route.KEEP])
+ROUTE_WINDOW = tl.constexpr(ROUTE_CODES[Route.WINDOW])
+ROUTE_SEARCH = tl.constexpr(ROUTE_CODES[Route.SEARCH])
 
 # ----------------------------------------------------------------------------- float64 numerics
 

@@ -3,7 +3,7 @@
 The CUDA step of `bregman_vllm.core.step` (which stays the CPU path and the reference every
 kernel is tested against), shaped as vLLM's Model Runner V2 builds its own sampler
 (`vllm/v1/worker/gpu/sample/`): one short kernel per stage, one program per row (or per row and
-vocabulary chunk), each row's parameters read from device columns (`core.rows.RowTable`)
+vocabulary chunk), each row's parameters read from device columns (`rows.RowTable`)
 through the step's row -> slot mapping, rows of plain requests skipped inside the kernels. In
 order:
 
@@ -26,7 +26,7 @@ order:
    (lambda -> 0) shifted by T times their log-normalizer; rows not decoded, rows that are not
    distributions (NaN, +inf, all -inf) and rows left to the exact path untouched.
 
-Four launches and no sync when every row's support fits the window (`core.rows.Layout.sync`
+Four launches and no sync when every row's support fits the window (`rows.Layout.sync`
 False); otherwise the hand-off (`hand_off`) reads the flagged rows' slots once (one sync) and
 runs the torch exact path (`core.search.decode_exact`) on those rows, grouped by family on the
 host.
@@ -48,19 +48,21 @@ import triton
 import triton.language as tl
 
 from ..core import search
-from ..core.candidates import BLOCK, UNBOUNDED, _smallest, log_smallest
-from ..core.families import Family
-from ..core.plan import WIDE_WINDOW, WINDOW, Plan
-from ..core.rows import FAMILIES, FAMILY_CODES, MODES, Layout, RowTable
+from ..core.candidates import BLOCK, UNBOUNDED, log_smallest, under_smallest
+from ..core.families import WIDE_WINDOW, WINDOW, Route
+from ..core.plan import Plan
+from ..core.result import StepResult
+from ..rows import FAMILIES, MODES, ROUTE_CODES, Layout, RowTable
 from . import formulas as f
 from .formulas import (
     DUAL_THREE,
     DUAL_THREE_HALVES,
-    EXACT,
     INTERPRET,
-    KEEP_ALL,
     KL,
     POWER,
+    ROUTE_KEEP,
+    ROUTE_SEARCH,
+    ROUTE_WINDOW,
     SQUARE,
     THREE_HALVES,
     closed_map,
@@ -144,8 +146,8 @@ def _read_kernel(scores_ptr, stride, vocab, blocks, map_ptr, family_ptr, scale_p
 
 
 @triton.jit(do_not_specialize=["stride"])
-def _select_kernel(scores_ptr, stride, vocab, blocks, map_ptr, family_ptr, fixed_ptr,
-                   size_ptr, scale_ptr, max_ptr, mass_ptr, x_ptr, log_x_ptr, deficit_ptr,
+def _select_kernel(scores_ptr, stride, vocab, blocks, map_ptr, family_ptr, route_ptr,
+                   scale_ptr, max_ptr, mass_ptr, x_ptr, log_x_ptr, deficit_ptr,
                    index_ptr, total_ptr, valid_ptr, LOGITS: tl.constexpr, K: tl.constexpr,
                    KB: tl.constexpr, NBP: tl.constexpr, CHUNK: tl.constexpr,
                    BLOCK: tl.constexpr, SMALLEST: tl.constexpr):
@@ -176,10 +178,8 @@ def _select_kernel(scores_ptr, stride, vocab, blocks, map_ptr, family_ptr, fixed
         reference = tl.full((), 0.0, tl.float64)
         total = tl.sum(block_mass, axis=0)
         valid = (total > 0) & (total < float("inf"))
-    fixed = tl.load(fixed_ptr + slot) != 0
-    wide = fixed & (tl.load(size_ptr + slot) > K)
-    window = (family != KEEP_ALL) & (family != EXACT) & ~wide
-    if window & valid:
+    # (the window's rows, `families.route`: a fixed size of a window row fits K)
+    if (tl.load(route_ptr + slot) == ROUTE_WINDOW) & valid:
         # The K largest entries lie in the K blocks with the largest maxima.
         chosen = top_keys(order_key(block_max, listed), KB)
         chosen_blocks = key_index(chosen)
@@ -242,7 +242,7 @@ def _select_kernel(scores_ptr, stride, vocab, blocks, map_ptr, family_ptr, fixed
 
 
 @triton.jit
-def _decode_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
+def _decode_kernel(map_ptr, family_ptr, route_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
                    iterations_ptr, temperature_ptr, x_ptr, log_x_ptr, deficit_ptr, total_ptr,
                    valid_ptr, values_ptr, k_ptr, mode_ptr, needs_ptr, flagged_ptr, low_ptr,
                    shift_ptr, bound_ptr, LOGITS: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
@@ -266,7 +266,8 @@ def _decode_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
         size = tl.load(size_ptr + slot)
         valid = tl.load(valid_ptr + row) != 0
         temperature = tl.load(temperature_ptr + slot).to(tl.float64)
-        if family == KEEP_ALL:
+        way = tl.load(route_ptr + slot)  # (`families.route`)
+        if way == ROUTE_KEEP:
             if valid:
                 mode = tl.full((), 2, tl.int32)
                 total = tl.load(total_ptr + row)
@@ -275,7 +276,7 @@ def _decode_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
                     bound = (total + LOG_SMALLEST) * temperature
                 else:
                     shift = total
-        elif (family == EXACT) | (fixed & (size > K)):
+        elif way == ROUTE_SEARCH:
             needs = valid
         elif valid:
             mode = tl.full((), 1, tl.int32)
@@ -496,12 +497,12 @@ def decode(scores: Tensor, table: RowTable, layout: Layout, *, logits: bool,
             columns["family"], columns["scale"], space.block_max, space.block_mass,
             LOGITS=logits, TILE=TILE, BLOCK=BLOCK, num_warps=4)
     _launch(_select_kernel, (n,), scores, scores.stride(0), vocab, blocks, mapping,
-            columns["family"], columns["fixed"], columns["size"], columns["scale"],
+            columns["family"], columns["route"], columns["scale"],
             space.block_max, space.block_mass, space.x, space.log_x, space.deficit,
             space.index, space.total, space.valid, K=width, KB=chosen, NBP=listed,
-            CHUNK=min(chosen, CHUNK), BLOCK=BLOCK, SMALLEST=_smallest(scores.dtype),
+            CHUNK=min(chosen, CHUNK), BLOCK=BLOCK, SMALLEST=under_smallest(scores.dtype),
             LOGITS=logits, num_warps=8)
-    _launch(_decode_kernel, (n,), mapping, columns["family"], columns["fixed"],
+    _launch(_decode_kernel, (n,), mapping, columns["family"], columns["route"], columns["fixed"],
             columns["size"], columns["alpha"], columns["lam"], columns["iterations"],
             columns["temperature"], space.x, space.log_x, space.deficit, space.total,
             space.valid, space.values, k, space.mode, space.needs, space.flagged, space.low,
@@ -532,8 +533,7 @@ def hand_off(out: Tensor, scores: Tensor, k: Tensor, space: _Workspace, table: R
     sync reads which rows and their slots, then on the host they are grouped by family and
     decoded by `search.decode_exact` from the scores (still as given: the write kernel left
     them), ``low`` giving the certified lower bounds on k*. Returns (rows the window could not
-    certify, rows of the exact-path families). A device-side exact path replaces this
-    function without a sync."""
+    certify, rows only the search decodes: `families.route`)."""
     device = scores.device
     flagged = space.flagged.cpu().numpy()  # the one sync
     rows = np.flatnonzero(flagged >= 0)
@@ -545,8 +545,7 @@ def hand_off(out: Tensor, scores: Tensor, k: Tensor, space: _Workspace, table: R
     families = host["family"][slots]
     fixed = host["fixed"][slots]
     modes = host["mode"][slots]
-    exact_family = families == FAMILY_CODES[Family.EXACT]
-    wide = (fixed != 0) & (host["size"][slots] > width)
+    searched = host["route"][slots] == ROUTE_CODES[Route.SEARCH]
     columns = table.columns
     alpha = columns["alpha"].index_select(0, slots_of)
     lam = columns["lam"].index_select(0, slots_of)
@@ -573,7 +572,7 @@ def hand_off(out: Tensor, scores: Tensor, k: Tensor, space: _Workspace, table: R
         if inplace:
             error.bregman_uncertified_rows = int(left.sum())  # type: ignore[attr-defined]
         raise
-    family_rows = int((exact_family | wide).sum())
+    family_rows = int(searched.sum())
     return int(rows.size) - family_rows, family_rows
 
 
@@ -584,8 +583,6 @@ def decode_plan(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = Fal
     """`core.step.decode_step` through the kernels: the plan's rows as a table (slot = row;
     made once per plan, and kept across plans of the same shared parameters, as the public
     calls make one per call)."""
-    from ..core.step import StepResult
-
     table, layout = _table_of(plan, scores.device)
     result = decode(scores, table, layout, logits=logits, inplace=inplace)
     return StepResult(result.out, result.k, result.exact_rows)
@@ -633,8 +630,8 @@ def warm_up(device: torch.device | str, vocab: int, *, dtype: torch.dtype = torc
     the interpreter: runs them once). Returns the seconds it took."""
     import time
 
-    from ..core.rows import Row
     from ..params import BregmanParams
+    from ..rows import Row
 
     start = time.perf_counter()
     device = torch.device(device)

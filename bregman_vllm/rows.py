@@ -12,6 +12,7 @@ column         dtype    meaning
 =============  =======  ===============================================================
 family         int32    0: not decoded (a plain request), else 1 + the index of its
                         `families.Family`
+route          int8     1 + the index of its `families.Route` (what decodes it)
 fixed          int32    1: a fixed support size (generalized top-k)
 size           int64    fixed: the size; adaptive: the cap k_max (`candidates.UNBOUNDED`:
                         none)
@@ -25,9 +26,9 @@ mode           int8     1 + the index of the row's mode in ``engine_metrics.MODE
 
 Host-only columns decide, per step and without a sync, what the step is specialized on: the
 candidate width (``width``: 64, or 256 for the closed-form families at small lambda and fixed
-sizes above 64) and whether some row may need the exact path (``flags``: supports that may pass
-the window, iterative fixed sizes above `plan.WINDOW`; ``host``: the ``EXACT`` family and fixed
-sizes above `plan.WIDE_WINDOW`, which the exact path decodes).
+sizes above 64, `families.window_width`) and whether some row may need the search (``flags``:
+the window may hand it over, `families.may_flag`; or the route column says only the search
+decodes it, `families.route`).
 
 Imports only torch and numpy (the kernels, `bregman_vllm.kernels`, import Triton).
 """
@@ -40,26 +41,37 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..params import DECODING_MODES, BregmanParams
-from .candidates import UNBOUNDED
-from .families import CLOSED_GAP_FAMILIES, ITERATIVE_FAMILIES, Family, newton_iterations
-from .plan import REQUEST_NAMES, WIDE_WINDOW, WINDOW, Plan, _classify, _row_values, _window
+from .core.candidates import UNBOUNDED
+from .core.families import (
+    ITERATIVE_FAMILIES,
+    Family,
+    Route,
+    may_flag,
+    newton_iterations,
+    route,
+    width_class,
+    window_width,
+)
+from .core.plan import REQUEST_NAMES, Plan, classify, row_values
+from .params import DECODING_MODES, BregmanParams
 
 Tensor = torch.Tensor
 
 #: The family column's codes (0: a row that is not decoded).
 FAMILY_CODES: dict[Family, int] = {family: code for code, family in enumerate(Family, start=1)}
 FAMILIES: dict[int, Family] = {code: family for family, code in FAMILY_CODES.items()}
+#: The route column's codes.
+ROUTE_CODES: dict[Route, int] = {way: code for code, way in enumerate(Route, start=1)}
 MODES = DECODING_MODES  # (the mode column is 1 + an index here, as in engine_metrics)
 
 #: (name, dtype) of every device column.
 COLUMNS: tuple[tuple[str, torch.dtype], ...] = (
-    ("family", torch.int32), ("fixed", torch.int32), ("size", torch.int64),
+    ("family", torch.int32), ("route", torch.int8), ("fixed", torch.int32), ("size", torch.int64),
     ("alpha", torch.float64), ("lam", torch.float64), ("iterations", torch.int32),
     ("scale", torch.float32), ("temperature", torch.float32), ("mode", torch.int8))
-#: Host-only columns: the candidate width a row needs, whether it may need the exact path
-#: after the window, whether only the exact path decodes it.
-_HOST = (("width", np.int32), ("flags", np.bool_), ("host", np.bool_))
+#: Host-only columns: the candidate width a row needs, whether the window may hand it to the
+#: search.
+_HOST = (("width", np.int32), ("flags", np.bool_))
 
 
 @dataclass(frozen=True)
@@ -72,35 +84,28 @@ class Row:
     alpha: float
     lam: float
     mode: str
+    route: Route
     width: int
     flags: bool
-    host: bool
 
     @classmethod
     def of(cls, family: Family, fixed: bool, alpha: float, lam: float, size: int, mode: str
            ) -> Row:
-        """A row from its classification (`plan._classify`: ``size`` is the fixed size, or for
-        an adaptive row the cap, `UNBOUNDED` for none)."""
-        if fixed:
-            width = WINDOW if size <= WINDOW else WIDE_WINDOW
-            host = family == Family.EXACT or size > WIDE_WINDOW
-            flags = family in ITERATIVE_FAMILIES and size > WINDOW
-        elif family == Family.KEEP_ALL:
-            width, host, flags = 0, False, False
-        else:
-            window = _window(family, lam) if family in CLOSED_GAP_FAMILIES else WINDOW
-            width = max(1, min(window, size))
-            host = family == Family.EXACT
-            flags = size > width  # the support may pass the window (`plan.Group.bounded`)
-            width = WINDOW if width <= WINDOW else WIDE_WINDOW
-        return cls(family, fixed, size, alpha, lam, mode, width, flags, host)
+        """A row from its classification (`plan.classify`: ``size`` is the fixed size, or for
+        an adaptive row the cap, `UNBOUNDED` for none); its route and window by `families`."""
+        way = route(family, fixed, size)
+        if way == Route.KEEP:
+            return cls(family, fixed, size, alpha, lam, mode, way, 0, False)
+        width = window_width(family, lam, fixed, size)
+        flags = way == Route.WINDOW and may_flag(family, fixed, size, width)
+        return cls(family, fixed, size, alpha, lam, mode, way, width_class(width), flags)
 
     @classmethod
     def of_request(cls, params: BregmanParams, vocab: int) -> Row:
         """The row of a request's (valid) parameters."""
-        family, fixed, alpha, lam, size, cap, _ = _classify(
+        family, fixed, alpha, lam, size, cap, _ = classify(
             params.mode, float(params.alpha), float(params.lam), params.top_k or 0,
-            params.k_max or 0, None, False, REQUEST_NAMES, vocab, _row_values(params))
+            params.k_max or 0, None, False, REQUEST_NAMES, vocab, row_values(params))
         return cls.of(family, fixed, alpha, lam, size if fixed else (cap or UNBOUNDED),
                       params.mode)
 
@@ -145,13 +150,14 @@ class RowTable:
         columns = self.host
         if row is None:
             columns["family"][slot] = 0
-            for name in ("mode", "width", "flags", "host"):
+            for name in ("route", "mode", "width", "flags"):
                 columns[name][slot] = 0
         else:
-            values = {"family": FAMILY_CODES[row.family], "fixed": int(row.fixed),
-                      "size": row.size, "alpha": row.alpha, "lam": row.lam,
-                      "iterations": row.iterations, "mode": MODES.index(row.mode) + 1,
-                      "width": row.width, "flags": row.flags, "host": row.host}
+            values = {"family": FAMILY_CODES[row.family], "route": ROUTE_CODES[row.route],
+                      "fixed": int(row.fixed), "size": row.size, "alpha": row.alpha,
+                      "lam": row.lam, "iterations": row.iterations,
+                      "mode": MODES.index(row.mode) + 1, "width": row.width,
+                      "flags": row.flags}
             for name, value in values.items():
                 columns[name][slot] = value
         columns["scale"][slot] = 1.0 / temperature
@@ -183,8 +189,9 @@ class RowTable:
         if family.any():
             width = int(host["width"][pick].max())
             scaled = self.scaled or bool((host["temperature"][pick][family > 0] != 1.0).any())
-            sync = bool(host["flags"][pick].any() or host["host"][pick].any())
-            layout = Layout(WINDOW if width <= WINDOW else WIDE_WINDOW, sync, scaled)
+            sync = bool(host["flags"][pick].any()
+                        or (host["route"][pick] == ROUTE_CODES[Route.SEARCH]).any())
+            layout = Layout(width_class(width), sync, scaled)
         self._layout = (key, layout)
         return layout
 
@@ -213,7 +220,7 @@ class RowTable:
 class Layout:
     """What one step is specialized on (host values, `RowTable.layout`)."""
 
-    width: int  # candidates per row: `plan.WINDOW` or `plan.WIDE_WINDOW`
+    width: int  # candidates per row: `families.WINDOW` or `families.WIDE_WINDOW`
     sync: bool  # some row may need the exact path: the step reads ``needs`` once
     scaled: bool  # some row has a temperature other than 1
 

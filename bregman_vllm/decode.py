@@ -2,12 +2,13 @@
 
 Pipeline of one call (`step` has the details):
 
-1. `plan.make_plan`: validate ``alpha``, ``lam``, ``top_k``, ``k_max`` (`bregman_vllm.params`)
-   and group the rows by formula family (`families`), on the host;
-2. `step.decode_step`: candidates, the support size (fixed, or the adaptive k* over a fixed
+1. `core.plan.make_plan`: validate ``alpha``, ``lam``, ``top_k``, ``k_max``
+   (`bregman_vllm.params`) and group the rows by formula family (`core.families`), on the host;
+2. `backend.decode`: candidates, the support size (fixed, or the adaptive k* over a fixed
    window of sizes), the alpha map on the support, written into zeros (probabilities) or -inf
-   (logits); uncertified rows go through the exact path (`exact`). On CUDA tensors this is
-   four Triton kernels (`bregman_vllm.kernels`; ``BREGMAN_BACKEND``, `step.chosen_backend`).
+   (logits); rows the window cannot certify go through the search (`core.search`). On CUDA
+   tensors this is four Triton kernels (`bregman_vllm.kernels`; ``BREGMAN_BACKEND``,
+   `backend.chosen_backend`), elsewhere the torch step (`core.step`).
 
 The primal problem is min_q D_phi(q, p) + lambda ||q||_0 and the dual one
 min_q D_phi(p, q) + lambda ||q||_0 (eqs. (2) and (3) of arXiv 2505.19371) with
@@ -23,11 +24,11 @@ from typing import NamedTuple
 
 import torch
 
-from ..params import BregmanParamError, parse_mode
-from .generators import BregmanGenerator
-from .maps import log_renorm
-from .plan import Plan, make_plan
-from .step import decode_step
+from .backend import decode
+from .core.generators import BregmanGenerator
+from .core.maps import log_renorm
+from .core.plan import Plan, make_plan
+from .params import BregmanParamError, parse_mode
 
 Tensor = torch.Tensor
 
@@ -90,7 +91,7 @@ def bregman_decode(
         (3, [0.5167, 0.3167, 0.1667, 0.0])
     """
     plan = _public_plan(probs, alpha, lam, mode, k_max, top_k, generator)
-    out, k, _ = decode_step(_flatten(probs), plan, logits=False)
+    out, k, _ = decode(_flatten(probs), plan, logits=False)
     return BregmanOutput(out.reshape(probs.shape), k.reshape(probs.shape[:-1]))
 
 
@@ -119,7 +120,7 @@ def bregman_decode_logits(
     if logits.dim() == 0:
         raise BregmanParamError("logits", "must have at least one dimension (the vocabulary)")
     plan = _public_plan(logits, alpha, lam, mode, k_max, top_k)
-    out, k, _ = decode_step(_flatten(logits), plan, logits=True)
+    out, k, _ = decode(_flatten(logits), plan, logits=True)
     out = out.reshape(logits.shape)
     if return_k:
         return out, k.reshape(logits.shape[:-1])
