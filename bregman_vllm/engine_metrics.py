@@ -39,6 +39,7 @@ from .params import DECODING_MODES
 SUPPORT_SIZE = "bregman_support_size"
 EXACT_ROWS = "bregman_exact_path_rows"
 FAILURES = "bregman_processor_failures"
+HELD = "bregman_support_held"
 
 #: Upper bounds of the k* histogram: 1, 2, 4, ..., 2^17 (then +Inf, for vocabularies beyond).
 SUPPORT_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(18))
@@ -54,12 +55,14 @@ HELP = {
                 "not certify.",
     FAILURES: "Rows whose Bregman decoding failed in a step; their logits were left as they "
               "were (plain sampling for that step).",
+    HELD: "Adaptive Bregman-decoded rows whose support k* was held at their k_max (the "
+          "server's largest support size, when the request sent no bregman_k_max), by mode.",
 }
 
 #: The sample names these metrics show on /metrics (what a dashboard may query).
 SAMPLE_NAMES = frozenset({
     f"{SUPPORT_SIZE}_bucket", f"{SUPPORT_SIZE}_count", f"{SUPPORT_SIZE}_sum",
-    f"{EXACT_ROWS}_total", f"{FAILURES}_total",
+    f"{EXACT_ROWS}_total", f"{FAILURES}_total", f"{HELD}_total",
 })
 
 #: The files of the engine processes, in any directory (other metrics' files are not ours).
@@ -122,6 +125,11 @@ def exact_rows(reason: str) -> Series:
 
 
 @functools.cache
+def held(mode: str) -> Series:
+    return "counter", _key(HELD, f"{HELD}_total", {"mode": mode})
+
+
+@functools.cache
 def failures(interface: str) -> Series:
     return "counter", _key(FAILURES, f"{FAILURES}_total", {"interface": interface})
 
@@ -133,6 +141,7 @@ def every_series(interface: str) -> Iterator[Series]:
         for index in range(len(SUPPORT_BUCKETS) + 1):
             yield support_bucket(mode, index)
         yield support_sum(mode)
+        yield held(mode)
     for reason in EXACT_REASONS:
         yield exact_rows(reason)
     yield failures(interface)
@@ -194,7 +203,8 @@ class InProcessCollector:
         shown: list[Any] = []
         for metric, label, options, series in (
                 (EXACT_ROWS, "reason", EXACT_REASONS, exact_rows),
-                (FAILURES, "interface", INTERFACES, failures)):
+                (FAILURES, "interface", INTERFACES, failures),
+                (HELD, "mode", MODES, held)):
             family = CounterMetricFamily(metric, HELP[metric], labels=[label])
             for option in options:
                 value = values.get(series(option))

@@ -10,15 +10,21 @@ server-wide defaults. No field is ever dropped in silence: each is honoured or r
 400 naming it, wherever it is written.
 
 * A key meant as a Bregman field that is not one exactly (``"BREGMAN_TOP_K"``,
-  ``"bregman-top-k"``, ``"bregman_topk"``; `bregman_vllm.params.check_keys`, the one matching
-  rule) is refused at the top level and in the extra arguments alike.
+  ``"bregman-top-k"``, ``"bregman_topk"``, ``"\\u200bbregman_top_k"``;
+  `bregman_vllm.params.check_keys`, the one matching rule) is refused at the top level and in
+  the extra arguments alike.
 * The two places must agree: a field written in both with different values, or a
   ``"bregman_mode": "off"`` in one place beside Bregman fields in the other (which it would
   switch off), is a 400 naming both places (`_check_agree`).
-* Bregman keys in a top-level object vLLM never reads for this route (the extra arguments'
-  name written differently, ``VLLM_XARGS``; the openai SDK's ``extra_body`` sent as a field;
-  ``vllm_xargs`` where the route reads ``sampling_params.extra_args``) are refused
-  (`_stray_holder`).
+* A key meant as a Bregman field anywhere else in the body, at any depth (``extra_body``, the
+  SDK's argument sent as a field; ``VLLM_XARGS``; ``extra_body.vllm_xargs``;
+  ``sampling_params.extra_args`` where the route reads ``vllm_xargs``), is refused with a 400
+  naming its JSON path (`stray_field`): vLLM would never read it there. The values of the
+  fields vLLM passes on as data (`bregman_vllm.params.DATA_FIELDS`: messages, tools, schemas,
+  logit_bias maps, metadata ...) are not looked into: their keys are content, not fields.
+* Beam search decodes with parameters vLLM builds without ``vllm_xargs``: with Bregman decoding
+  in force (the request's fields or the server's defaults), ``use_beam_search`` is refused on
+  the routes whose request declares it (`refuse_beam_search`).
 
 The merged values are validated with the shared parameter model (`bregman_vllm.params`), so the
 server refuses exactly what the vLLM processor would refuse, with the same message. Everything
@@ -33,28 +39,26 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from bregman_vllm.params import (
+    DATA_FIELDS,
     REQUEST_KEYS,
     BregmanParamError,
     BregmanParams,
+    bregman_keys,
     check_keys,
-    folded_key,
-    is_bregman_key,
+    dotted,
     parse_field,
     shown,
 )
 
 from .routes import VLLM_XARGS, Target
 
-#: Top-level objects whose Bregman keys vLLM would never read unless the route reads them
-#: there: names of extra arguments (``vllm_xargs``, ``extra_args``) and the openai SDK's
-#: ``extra_body``, in any case, with or without dashes and underscores.
-_HOLDER_NAMES = frozenset({"vllmxargs", "extraargs", "extrabody"})
-
 
 def apply_bregman(body: dict[str, Any], defaults: BregmanParams | None,
-                  target: Target = VLLM_XARGS, max_support: int | None = None
-                  ) -> tuple[str, bool]:
+                  target: Target = VLLM_XARGS, max_support: int | None = None,
+                  beam_search: bool = False) -> tuple[str, bool]:
     """Rewrite ``body`` in place for vLLM.
 
     Returns the effective mode ("primal" / "dual" / "off") and whether the body changed (an
@@ -66,17 +70,20 @@ def apply_bregman(body: dict[str, Any], defaults: BregmanParams | None,
     * a disabled result ("off", explicitly or by default) removes every ``bregman_*`` key from
       them, so an explicit "off" also beats a server default;
     * with ``max_support`` (the server's largest support size), an enabled result is held to it
-      (`BregmanParams.within`: sizes above it refused, ``k_max`` filled in when absent).
+      (`BregmanParams.within`: sizes above it refused, ``k_max`` filled in when absent);
+    * ``beam_search``: the route's request declares ``use_beam_search``; an enabled result with
+      beam search asked for is refused (`refuse_beam_search`).
 
     Raises `BregmanParamError` (``.field`` names the parameter) for invalid values, for keys
-    meant as Bregman fields that are not ones, and for a request whose two places disagree.
+    meant as Bregman fields that are not ones, for Bregman keys where vLLM does not read them
+    (`stray_field`) and for a request whose two places disagree.
     """
     check_keys(body)
-    stray = _stray_holder(body, target)
+    stray = stray_field(body, target)
     if stray is not None:
-        holder_name, key = stray
+        path, holder = stray
         raise BregmanParamError(
-            f"{holder_name}.{key}", f"vLLM does not read {holder_name!r} on this route, so the "
+            path, f"vLLM does not read {holder!r} for Bregman fields on this route, so the "
             f"field would be ignored: send it at the top level or in {'.'.join(target)}")
     top: dict[str, Any] = {}
     changed = False
@@ -113,6 +120,8 @@ def apply_bregman(body: dict[str, Any], defaults: BregmanParams | None,
     if holder is None:
         raise BregmanParamError(outer[0], "must be an object: the Bregman fields go into its "
                                 f"{name}")
+    if beam_search:
+        refuse_beam_search(body.get("use_beam_search"))
     params = params.within(max_support)
     merged = {k: v for k, v in xargs.items() if k not in REQUEST_KEYS} if xargs else {}
     merged.update(params.to_request())
@@ -148,31 +157,43 @@ def _is_off(fields: dict[str, Any]) -> bool:
         == "off"
 
 
-def _stray_holder(body: dict[str, Any], target: Target | None) -> tuple[str, str] | None:
-    """(object, key) for the first Bregman key in a top-level object whose name is one of
-    `_HOLDER_NAMES` as the matching rule spells it, but not the route's own ``target``
-    (None: the route reads no extra arguments)."""
-    for holder_name, value in body.items():
-        if not isinstance(value, dict) or not isinstance(holder_name, str) \
-                or (target is not None and holder_name == target[0]):
-            continue
-        if folded_key(holder_name) in _HOLDER_NAMES:
-            for key in value:
-                if is_bregman_key(key):
-                    return holder_name, key
+def stray_field(body: dict[str, Any], target: Target | None) -> tuple[str, str] | None:
+    """(JSON path, the path of the object that holds it) of the first key meant as a Bregman
+    field (any spelling the matching rule finds) where vLLM does not read the fields: anywhere
+    in ``body`` but its top level and the first level of the route's extra arguments
+    ``target`` (None: a route that reads none, where the top level counts too), not looking
+    into `DATA_FIELDS`."""
+    honoured = {(), target} if target is not None else set()
+    for path in bregman_keys(body, data=DATA_FIELDS):
+        if path[:-1] not in honoured:
+            return dotted(path), dotted(path[:-1])
     return None
 
 
-def refuse_bregman_fields(body: dict[str, Any], route: str, honoured: str) -> None:
-    """A 400 naming the first Bregman key (any spelling the matching rule finds) at the top
-    level, or in a top-level ``vllm_xargs`` / ``extra_body``, of a route that cannot honour
-    it."""
-    key = next((key for key in body if is_bregman_key(key)), None)
-    if key is None:
-        stray = _stray_holder(body, None)
-        key = ".".join(stray) if stray is not None else None
-    if key is not None:
+_BOOL = TypeAdapter(bool)
+
+
+def refuse_beam_search(value: Any) -> None:
+    """A 400 if ``use_beam_search`` is true as vLLM's request model reads it (pydantic's bool:
+    ``true``, ``1``, ``"yes"`` ...; a value it refuses is vLLM's own 400)."""
+    try:
+        asked = value is not None and _BOOL.validate_python(value)
+    except ValidationError:
+        return
+    if asked:
         raise BregmanParamError(
-            key, f"Bregman fields are not supported on {route}; send them to {honoured} "
+            "use_beam_search", "beam search does not decode with the Bregman fields (vLLM builds "
+            "its beam search parameters without vllm_xargs, so they would be ignored); send "
+            '"bregman_mode": "off" for plain beam search, or leave use_beam_search out for '
+            "Bregman decoding")
+
+
+def refuse_bregman_fields(body: dict[str, Any], route: str, honoured: str) -> None:
+    """A 400 naming the first Bregman key (any spelling the matching rule finds, anywhere in the
+    body but inside `DATA_FIELDS`) of a route that cannot honour it."""
+    stray = stray_field(body, None)
+    if stray is not None:
+        raise BregmanParamError(
+            stray[0], f"Bregman fields are not supported on {route}; send them to {honoured} "
             "(or in the route's own vllm_xargs / sampling_params.extra_args, which vLLM "
             "validates)")

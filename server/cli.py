@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 import typing
@@ -86,11 +87,18 @@ def _argument(field: FieldInfo) -> dict[str, Any]:
         keywords.update(choices=choices)
         if all(isinstance(choice, str) and choice.islower() for choice in choices):
             keywords.update(type=str.lower)  # vLLM's --log-level DEBUG is our debug
+    elif field.default is not None and kinds == {int}:
+        keywords.update(type=_int_or_none, metavar="{N,none}")  # "none" lifts the default
     elif annotation is int or kinds == {int}:
         keywords.update(type=int)
     elif annotation is float or kinds == {float}:
         keywords.update(type=float)
     return keywords
+
+
+def _int_or_none(text: str) -> int | str:
+    """An integer flag whose default "none" lifts (kept as the string for the settings)."""
+    return "none" if text.strip().lower() == "none" else int(text)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerSettings, list[str]]:
@@ -119,9 +127,42 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerSettings, list[
 def run(argv: Sequence[str] | None = None) -> int:
     """The server in this process (``python -m bregman_server``)."""
     settings, vllm_args = parse_args(argv)
+    supervisor = os.environ.pop(SUPERVISOR_ENV, "")
+    if supervisor.isdigit():
+        follow_supervisor(int(supervisor))
     from .engine import serve
 
     return serve(settings, vllm_args)
+
+
+#: Set by `supervise` for the server it starts: the supervisor's pid.
+SUPERVISOR_ENV = "BREGMAN_SUPERVISOR_PID"
+#: Seconds the server may take to stop once its supervisor is gone (the default drain, 10 s,
+#: and the engine's stop fit), before its whole process group is killed.
+ORPHAN_DEADLINE = 12.0
+
+
+def follow_supervisor(supervisor: int, deadline: float = ORPHAN_DEADLINE,
+                      group: bool = True) -> None:
+    """If ``supervisor`` (this process's parent: bregman-serve, or the server that started
+    this API server) dies, however it dies and whatever this process is doing (loading,
+    warming up, serving, draining): SIGTERM to this process (the drain; the kernel's
+    parent-death signal sends one too, but vLLM may lose it while the engine loads), then,
+    ``deadline`` seconds later, SIGKILL to this process's group (``group``: the server, in a
+    session of its own, with its engines and their helpers) or to this process alone, so that
+    nothing of the session outlives bregman-serve by more than ``deadline`` seconds."""
+    import signal
+
+    from bregman_vllm.lifeline import watch
+
+    def stop(parent: int) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(deadline)
+        if group:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    watch(supervisor, on_orphaned=stop, interval=0.2)
 
 
 #: Seconds the processes the server leaves behind get to exit before they are killed.
@@ -141,7 +182,6 @@ def supervise(argv: Sequence[str]) -> int:
     multiprocessing's resource tracker, which cleans up shared memory when its pipe closes),
     then what is left of its session is killed, so nothing outlives bregman-serve.
     """
-    import os
     import signal
     import subprocess
 
@@ -160,7 +200,8 @@ def supervise(argv: Sequence[str]) -> int:
             os._exit(1)
 
     child = subprocess.Popen([sys.executable, "-m", "bregman_server", *argv],
-                             start_new_session=True, preexec_fn=die_with_parent)
+                             start_new_session=True, preexec_fn=die_with_parent,
+                             env={**os.environ, SUPERVISOR_ENV: str(parent)})
 
     def forward(signum: int, frame: object) -> None:
         child.send_signal(signum)

@@ -65,6 +65,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from bregman_vllm.params import MAX_SUPPORT_ENV
+
 from .settings import ServerSettings
 
 # `bregman_server.middleware`, `.lifecycle` and `.limits` (and with them prometheus_client) are
@@ -224,6 +226,10 @@ def _environment(settings: ServerSettings) -> str | None:
     # policy (503s, open requests ended in OpenAI's shape, then exit 3) decides.
     os.environ["VLLM_KEEP_ALIVE_ON_ENGINE_DEATH"] = "1"
     os.environ.pop("VLLM_API_KEY", None)  # our key guards the routes (see `vllm_namespace`)
+    # The processor holds every request to the same largest support size at admission (and
+    # counts the rows it holds), whatever front end reaches the engine.
+    os.environ[MAX_SUPPORT_ENV] = "none" if settings.max_support is None \
+        else str(settings.max_support)
     if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
         return None
     directory = tempfile.mkdtemp(prefix="bregman-metrics-")
@@ -352,6 +358,15 @@ def _api_server_process(listen_address: str, sock: Any, args: argparse.Namespace
 
     settings, ready = args.bregman
     configure_logging(settings.log_level)
+    import multiprocessing
+
+    from .cli import follow_supervisor
+
+    # The process that started this one drains it on a signal; if it dies, this one drains
+    # and ends on its own (its engine client never sees the engines die).
+    parent = multiprocessing.parent_process()
+    if parent is not None and parent.pid is not None:
+        follow_supervisor(parent.pid, group=False)
 
     def count_in(server: Any) -> None:
         with ready.get_lock():

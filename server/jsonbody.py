@@ -20,20 +20,25 @@ the middleware accepts is one vLLM can parse too (its own parse runs deeper in t
 False only when all of these hold:
 
 1. ``json.detect_encoding`` finds UTF-8 (with or without BOM), so the text is the bytes;
-2. the bytes contain neither ``NaN`` nor ``Infinity``, and, once lower-cased (ASCII letters only)
-   with every ``-`` and ``_`` deleted, no ``bregman``;
-3. no ``\\uXXXX`` escape spells a letter of ``bregman`` (either case), ``-`` or ``_`` (only
+2. every byte is ASCII (the BOM aside), and no ``\\uXXXX`` escape stands for a character
+   beyond ASCII;
+3. the bytes contain neither ``NaN`` nor ``Infinity``, and, once lower-cased with every ``-``
+   and ``_`` deleted, no ``bregman``;
+4. no ``\\uXXXX`` escape spells a letter of ``bregman`` (either case), ``-`` or ``_`` (only
    ``\\u`` escapes can produce those; ``\\b`` is a backspace);
-4. fewer than `MAX_DEPTH` opening brackets, hence fewer levels.
+5. fewer than `MAX_DEPTH` opening brackets, hence fewer levels.
 
 Then ``json.loads`` either fails (vLLM answers 400) or gives an object with no key meant as a
-Bregman field at any level (`bregman_vllm.params.is_bregman_key`: ignoring the spaces at its
-ends, case, dashes and underscores, it begins with ``bregman``; the only characters that
-lower-case to a letter of ``bregman`` are those letters themselves, so by 1-3 such a key would
-put ``bregman`` in the folded bytes), no NaN or infinity (by 1-2: those constants are bare
-tokens, never escaped) and depth below the bound (4): the full path would forward the same bytes
-unchanged, so skipping it changes nothing that vLLM reads. Server defaults on a route that takes
-them always need the full path (the middleware's business, not this module's).
+Bregman field at any level (`bregman_vllm.params.is_bregman_key`). By 1-2 every key is ASCII,
+which the rule's normalization (NFKC, format characters removed, case folding, dashes as
+underscores) only lower-cases: ASCII has no format character, and NFKC and case folding map
+an ASCII letter to its lower case and nothing else to a letter; so by 3-4 such a key would put
+``bregman`` in the folded bytes. Characters beyond ASCII (a fullwidth ``ｂ``, a zero-width space
+or a byte-order mark inside a key) take the full path (2). Neither are there NaN or infinities
+(by 1-3: those constants are bare tokens, never escaped), nor depth beyond the bound (5): the
+full path would forward the same bytes unchanged, so skipping it changes nothing that vLLM
+reads. Server defaults on a route that takes them always need the full path (the middleware's
+business, not this module's).
 """
 
 from __future__ import annotations
@@ -56,6 +61,9 @@ _UTF8 = ("utf-8", "utf-8-sig")
 # A \\u escape of one of b, r, e, g, m, a, n in either case, "_" or "-" (hex digits in either
 # case).
 _LETTER_ESCAPE = re.compile(rb"\\u00(?:[46][1257dDeE]|[57]2|5[fF]|2[dD])")
+# A \\u escape of a character beyond ASCII (any but \\u0000 to \\u007f).
+_WIDE_ESCAPE = re.compile(rb"\\u(?!00[0-7])[0-9a-fA-F]{4}")
+_UTF8_BOM = b"\xef\xbb\xbf"
 
 
 def is_json_type(content_type: bytes | None) -> bool:
@@ -84,12 +92,15 @@ def mentions_bregman(raw: bytes) -> bool:
 
 def must_parse(raw: bytes) -> bool:
     """False only when the body provably carries no Bregman field, NaN or infinity and no deep
-    nesting (the four conditions of the module docstring)."""
+    nesting (the five conditions of the module docstring)."""
     if json.detect_encoding(raw) not in _UTF8:
+        return True
+    if not raw.removeprefix(_UTF8_BOM).isascii():
         return True
     if b"NaN" in raw or b"Infinity" in raw or mentions_bregman(raw):
         return True
-    if b"\\u" in raw and _LETTER_ESCAPE.search(raw) is not None:
+    if b"\\u" in raw and (_LETTER_ESCAPE.search(raw) is not None
+                          or _WIDE_ESCAPE.search(raw) is not None):
         return True
     return raw.count(b"[") + raw.count(b"{") >= MAX_DEPTH
 

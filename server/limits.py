@@ -28,6 +28,10 @@ on h11 through `BoundedH11Protocol`, which adds, per connection:
 6. vLLM's ``--h11-max-header-count`` (at most that many header fields, 431), which vLLM hands
    to uvicorn's config and uvicorn's own protocols ignore.
 
+Before all of these, with TLS, a connection's handshake is held at most ``header_timeout``
+seconds (`bound_tls_handshakes`; asyncio's default is 60 s): only then does the connection
+reach the protocol, whose head deadline starts at that point.
+
 `uvicorn_options` are the keyword arguments `bregman-serve` passes through vLLM's launcher to
 its uvicorn (``build_and_serve(..., **uvicorn_kwargs)``): the protocol class bound to our
 settings (`BoundedH11Protocol.bound`), whose keep-alive is ``keep_alive_timeout``; the head size
@@ -359,6 +363,30 @@ class BoundedH11Protocol(H11Protocol):
         except h11.LocalProtocolError:  # pragma: no cover - nothing more we can send
             pass
         self._close()
+
+
+def bound_tls_handshakes(loop: asyncio.AbstractEventLoop, seconds: float) -> None:
+    """Hold a TLS handshake at most ``seconds`` (the head deadline) on every server ``loop``
+    creates from now on, instead of asyncio's (and uvloop's) 60 s default.
+
+    A connection is handed to the HTTP protocol (`BoundedH11Protocol`, whose head deadline then
+    starts) only once its TLS handshake is complete, and uvicorn, which creates the listening
+    server, passes no handshake timeout: a client that opens connections and stalls their
+    handshakes would hold each for 60 s. The middleware calls this when the ASGI lifespan
+    starts, which uvicorn runs before it creates its server, under `bregman-serve` and plain
+    ``vllm serve --middleware`` alike. A timeout the caller gives wins."""
+    for name in ("create_server", "create_unix_server"):
+        create = getattr(loop, name, None)
+        if create is None or getattr(create, "bregman_handshake", None) is not None:
+            continue
+
+        async def bounded(*args: Any, _create: Any = create, **kwargs: Any) -> Any:
+            if kwargs.get("ssl") is not None and kwargs.get("ssl_handshake_timeout") is None:
+                kwargs["ssl_handshake_timeout"] = seconds
+            return await _create(*args, **kwargs)
+
+        bounded.bregman_handshake = seconds  # type: ignore[attr-defined]
+        setattr(loop, name, bounded)
 
 
 def uvicorn_options(settings: ServerSettings) -> dict[str, Any]:

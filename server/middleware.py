@@ -50,6 +50,7 @@ HTTP request, in order:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import time
@@ -58,10 +59,10 @@ from urllib.parse import parse_qsl
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from bregman_vllm.params import BregmanParamError, is_bregman_key
+from bregman_vllm.params import BregmanParamError, BregmanParams, is_bregman_key
 
 from .auth import UNAUTHORIZED, KeyCheck, answers_preflights, header, is_preflight
-from .bregman import apply_bregman, refuse_bregman_fields
+from .bregman import apply_bregman, refuse_beam_search, refuse_bregman_fields
 from .errors import APIError, OpenAIErrors, error_response, unavailable
 from .jsonbody import (
     encode_json_body,
@@ -73,6 +74,7 @@ from .jsonbody import (
     refuse_special,
 )
 from .lifecycle import ENGINE_DEAD, Cut, Flight, Lifecycle, SlowClient
+from .limits import bound_tls_handshakes
 from .metrics import attach_engine_metrics, detach_engine_metrics, metrics
 from .routes import FORM, Routes, honoured_routes, processor_dropped
 from .serving import run_lifecycle
@@ -167,14 +169,50 @@ def _form_has_bregman_field(raw: bytes, content_type: bytes) -> bool:
     """Whether a form body has a field meant as a Bregman field (the matching rule of
     `bregman_vllm.params.is_bregman_key`; vLLM would ignore it)."""
     if content_type.lower().lstrip().startswith(b"multipart/"):
-        if not mentions_bregman(raw):  # part names are written as they are
+        if not mentions_bregman(raw) and raw.isascii():  # part names are written as they are
             return False
         names = (match.group(1) if match.group(1) is not None else match.group(2)
                  for match in map(_PART_NAME.match, raw.split(b"\r\n")) if match)
-        return any(is_bregman_key(name.decode("latin-1")) for name in names)
-    # URL-encoded names may be percent-escaped ("%62regman_top_k"): read them all.
-    return any(is_bregman_key(key)
-               for key, _ in parse_qsl(raw.decode("latin-1"), keep_blank_values=True))
+        return any(is_bregman_key(name.decode(charset, "replace")) for name in names
+                   for charset in ("utf-8", "latin-1"))
+    # URL-encoded names may be percent-escaped ("%62regman_top_k"): read them all, as UTF-8
+    # and as Latin-1 (the form parser's charset decides).
+    return any(is_bregman_key(key) for charset in ("utf-8", "latin-1")
+               for key, _ in parse_qsl(raw.decode(charset, "replace"), keep_blank_values=True,
+                                       encoding=charset))
+
+
+def _form_values(raw: bytes, content_type: bytes) -> dict[str, str]:
+    """The text fields of a form body (the last of each name), as its route reads them."""
+    if content_type.lower().lstrip().startswith(b"multipart/"):
+        from email.parser import BytesParser
+        from email.policy import HTTP
+
+        message = BytesParser(policy=HTTP).parsebytes(
+            b"Content-Type: " + content_type + b"\r\n\r\n" + raw)
+        values = {}
+        for part in message.iter_parts() if message.is_multipart() else ():
+            name = part.get_param("name", header="content-disposition")
+            if isinstance(name, str) and part.get_filename() is None:
+                payload = part.get_payload(decode=True)
+                if isinstance(payload, bytes):
+                    values[name] = payload.decode("utf-8", "replace")
+        return values
+    return dict(parse_qsl(raw.decode("latin-1"), keep_blank_values=True, encoding="utf-8"))
+
+
+def _refuse_form_beam_search(raw: bytes, content_type: bytes) -> None:
+    """A form route (speech to text) with beam search and Bregman fields in its ``vllm_xargs``
+    JSON string: a 400 (its beam search drops them, as on the JSON routes; the server's
+    defaults do not reach forms)."""
+    values = _form_values(raw, content_type)
+    try:
+        xargs = json.loads(values.get("vllm_xargs") or "null")
+        params = BregmanParams.from_mapping(xargs) if isinstance(xargs, dict) else None
+    except (ValueError, BregmanParamError):  # vLLM's own 400, or the processor's
+        return
+    if params is not None and params.enabled:
+        refuse_beam_search(values.get("use_beam_search"))
 
 
 # The rest of an unread body would be taken for the next request: close the connection.
@@ -357,6 +395,9 @@ class BregmanMiddleware:
                 raise BregmanParamError(
                     "bregman_*", "Bregman fields need a JSON body; send them to "
                     f"{self.routes.text} with Content-Type: application/json")
+            if route in self.routes.beam_search and b"use_beam_search" in raw \
+                    and is_form_type(content_type):
+                _refuse_form_beam_search(raw, content_type or b"")
             return unread, scope, raw
         if not (honoured and self.parse_always) and not must_parse(raw):
             return unread, scope, raw
@@ -367,7 +408,8 @@ class BregmanMiddleware:
                 raise refuse_special(body)
             return "none", scope, raw
         assert target is not None
-        mode, changed = apply_bregman(body, self.defaults, target, self.settings.max_support)
+        mode, changed = apply_bregman(body, self.defaults, target, self.settings.max_support,
+                                      beam_search=route in self.routes.beam_search)
         if not (changed or special):
             return mode, scope, raw
         raw = encode_json_body(body)
@@ -386,6 +428,8 @@ class BregmanMiddleware:
             await receive()  # lifespan.startup
             await send({"type": "lifespan.startup.failed", "message": dropped})
             return
+        # (before uvicorn creates its listening server, which it does once the lifespan started)
+        bound_tls_handshakes(asyncio.get_running_loop(), self.settings.header_timeout)
         self._engine_metrics_ready = True
         directory = attach_engine_metrics(app)
         running: asyncio.Task[None] | None = None

@@ -71,12 +71,16 @@ class Routes:
 
     targets: dict[str, Target] = field(default_factory=dict)
     _patterns: tuple[tuple[re.Pattern[str], str], ...] = ()
+    #: The honoured routes whose request declares ``use_beam_search`` (vLLM's beam search,
+    #: which builds its own parameters without ``vllm_xargs``).
+    beam_search: frozenset[str] = frozenset()
 
     @classmethod
-    def of(cls, targets: dict[str, Target]) -> Routes:
+    def of(cls, targets: dict[str, Target], beam_search: frozenset[str] = frozenset()
+           ) -> Routes:
         patterns = tuple((re.compile("^" + re.sub(r"\{[^}]+\}", "[^/]+", path) + "$"), path)
                          for path in targets if "{" in path)
-        return cls(dict(targets), patterns)
+        return cls(dict(targets), patterns, frozenset(beam_search) & set(targets))
 
     def match(self, path: str) -> str | None:
         """The route (its template) that serves ``path`` if it takes the Bregman fields."""
@@ -101,6 +105,7 @@ def honoured_routes(app: Any) -> Routes:
     400, never silently dropped.
     """
     targets: dict[str, Target] = {}
+    beam_search: set[str] = set()
     for route in getattr(app, "routes", ()):
         if "POST" not in (getattr(route, "methods", None) or ()):
             continue
@@ -111,6 +116,8 @@ def honoured_routes(app: Any) -> Routes:
             if type(body_field.field_info).__name__ == "Form":
                 if any(_target(member) is not None for member in members):
                     targets[path] = FORM
+                    if _declares_beam_search(members):
+                        beam_search.add(path)
                 continue
         elif path in DISPATCHERS:
             try:
@@ -126,7 +133,9 @@ def honoured_routes(app: Any) -> Routes:
             found = [REVIEWED_SAMPLING_ROUTES[path]]
         if found:
             targets.setdefault(path, found[0])
-    return Routes.of(targets)
+            if _declares_beam_search(members):
+                beam_search.add(path)
+    return Routes.of(targets, frozenset(beam_search))
 
 
 def processor_dropped(speculative_config: Any, model_runner_v2: bool) -> str | None:
@@ -153,6 +162,10 @@ def _members(annotation: Any) -> list[type]:
     if origin is typing.Union or origin is types.UnionType:
         return [m for arg in typing.get_args(annotation) for m in _members(arg)]
     return [annotation] if isinstance(annotation, type) and annotation is not type(None) else []
+
+
+def _declares_beam_search(models: list[type]) -> bool:
+    return any("use_beam_search" in (getattr(m, "model_fields", None) or {}) for m in models)
 
 
 def _name(cls: type) -> str:

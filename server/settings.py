@@ -25,6 +25,10 @@ from bregman_vllm.params import (
 
 KiB = 1024
 MiB = 1024 * KiB
+#: The largest support size a server admits unless told otherwise (``--max-support``): well
+#: above the k* of the paper's grid (benchmarks/support_grid.py), and what TensorRT-LLM caps
+#: its top-k at.
+DEFAULT_MAX_SUPPORT = 1024
 
 
 class ServerSettings(BaseSettings):
@@ -82,11 +86,11 @@ class ServerSettings(BaseSettings):
     default_top_k: int | None = Field(None, ge=1, description="Default bregman_top_k.")
     default_k_max: int | None = Field(None, ge=1, description="Default bregman_k_max.")
     max_support: int | None = Field(
-        None, ge=1, le=MAX_SUPPORT_SIZE, description="Largest support size a request may "
-        "decode to: a bregman_top_k or bregman_k_max above it is refused (400), and a request "
-        "without bregman_k_max decodes with k_max = this. Bounds what one request's rows cost "
-        "every engine step (rows with k* past the fixed window take the exact path, whose cost "
-        "grows with k*: docs/server.md); unset: no limit.")
+        DEFAULT_MAX_SUPPORT, ge=1, le=MAX_SUPPORT_SIZE, description="Largest support size a "
+        "request may decode to: a bregman_top_k or bregman_k_max above it is refused (400), and "
+        "a request without bregman_k_max decodes with k_max = this. Bounds what one request's "
+        "rows cost every engine step (rows with k* past the fixed window take the exact path, "
+        "whose cost grows with k*: docs/server.md); 'none' lifts the bound.")
 
     # --- the engine in this process -----------------------------------------------------------
     engine_exit_grace: float = Field(
@@ -94,6 +98,13 @@ class ServerSettings(BaseSettings):
         "exits with status 3.")
     cpu_kvcache_space_gib: int = Field(
         4, ge=1, description="VLLM_CPU_KVCACHE_SPACE for CPU builds of vLLM when it is unset.")
+
+    @field_validator("max_support", mode="before")
+    @classmethod
+    def _none_lifts_the_bound(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() in ("", "none"):
+            return None
+        return value
 
     @field_validator("default_alpha")
     @classmethod

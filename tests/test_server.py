@@ -655,3 +655,57 @@ def test_seeded_long_prompts_do_not_kill_a_cpu_engine(live: Live) -> None:
         texts = list(pool.map(one, range(4)))
     assert len(texts) == 4
     assert httpx.get(live.url + "/health", timeout=5).status_code == 200
+
+
+# --- beam search, keys at any depth, look-alike keys: real vLLM (tests/test_request_fields.py) --
+
+#: (route, the fields as the attack sent them, param): each a 200 decoded plainly before.
+NEVER_DROPPED = {
+    "beam search": ("/v1/completions", {"use_beam_search": True, "n": 2, "bregman_top_k": 1},
+                    "use_beam_search"),
+    "beam search, vllm_xargs, chat": ("/v1/chat/completions", {
+        "use_beam_search": True, "n": 2, "vllm_xargs": {"bregman_top_k": 1}}, "use_beam_search"),
+    "beam search, dual": ("/v1/completions", {"use_beam_search": True, "n": 2,
+                                              "bregman_mode": "dual", "bregman_alpha": 2},
+                          "use_beam_search"),
+    "extra_body.vllm_xargs": ("/v1/completions", {"extra_body": {"vllm_xargs": {
+        "bregman_top_k": 1}}}, "extra_body.vllm_xargs.bregman_top_k"),
+    "sampling_params.extra_args": ("/v1/completions", {"sampling_params": {"extra_args": {
+        "bregman_top_k": 1}}}, "sampling_params.extra_args.bregman_top_k"),
+    "zero-width space": ("/v1/completions", {"\u200bbregman_top_k": 1}, "\u200bbregman_top_k"),
+    "byte-order mark": ("/v1/chat/completions", {"\ufeffbregman_top_k": 1},
+                        "\ufeffbregman_top_k"),
+    "fullwidth letter": ("/v1/completions", {"\uff42regman_top_k": 1}, "\uff42regman_top_k"),
+}
+
+
+@pytest.mark.parametrize("case", NEVER_DROPPED)
+def test_no_field_is_dropped_by_beam_search_depth_or_spelling(live: Live, case: str) -> None:
+    path, fields, param = NEVER_DROPPED[case]
+    body = {"model": MODEL, "max_tokens": 2, **(
+        {"prompt": PROMPT} if path == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "hi"}]})}
+    response = httpx.post(live.url + path, json={**body, **fields}, headers=live.auth,
+                          timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_beam_search_under_server_defaults_and_data_named_like_fields(live: Live) -> None:
+    """Plain vLLM with the middleware and BREGMAN_DEFAULT_MODE=primal: beam search is a 400
+    unless the request says "off" (then vLLM's own beam search runs); a tool parameter named
+    bregman_top_k is data (a 200 on bregman-serve)."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "n": 2, "use_beam_search": True}
+    refused = httpx.post(live.plain.url + "/v1/completions", json=body, headers=live.auth,
+                         timeout=60)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "use_beam_search"
+    beam = httpx.post(live.plain.url + "/v1/completions", headers=live.auth, timeout=120,
+                      json={**body, "bregman_mode": "off"})
+    assert beam.status_code == 200 and len(beam.json()["choices"]) == 2, beam.text
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"bregman_top_k": {"type": "integer"}}}}}]
+    chat = httpx.post(live.url + "/v1/chat/completions", headers=live.auth, timeout=60, json={
+        "model": MODEL, "max_tokens": 2, "tools": tools, "tool_choice": "none",
+        "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 200, chat.text

@@ -182,6 +182,9 @@ class Served:
 
     def __init__(self, inner: FastAPI | None = None, **overrides: Any) -> None:
         overrides.setdefault("api_key", KEY)
+        # (no largest support size unless a test asks: bodies reach the app as they were sent;
+        # the default's own tests are in tests/test_request_fields.py)
+        overrides.setdefault("max_support", None)
         self.settings = ServerSettings(host="127.0.0.1", port=_free_port(), **overrides)
         self.lifecycle = Lifecycle()
         app = BregmanMiddleware(inner or stub_app(), settings=self.settings,
@@ -471,7 +474,7 @@ def test_server_defaults_above_the_largest_support_size_do_not_start() -> None:
         assert "At most 4096 on this server." in properties[key]["description"]
     assert properties["bregman_k_max"]["default"] == 4096
     assert properties["bregman_top_k"]["default"] is None
-    unlimited = bregman_properties(ServerSettings())
+    unlimited = bregman_properties(ServerSettings(max_support=None))
     assert unlimited["bregman_k_max"]["anyOf"][0]["maximum"] == 2**31 - 1
 
 
@@ -1447,7 +1450,8 @@ def test_openapi_fields_are_generated_from_the_parameter_model() -> None:
     field needs no code here."""
     from bregman_server.openapi import bregman_properties
 
-    settings = ServerSettings(default_mode="dual", default_alpha=2.0, default_top_k=9)
+    settings = ServerSettings(default_mode="dual", default_alpha=2.0, default_top_k=9,
+                              max_support=None)
     properties = bregman_properties(settings)
     assert list(properties) == [spec.name for spec in FIELD_SPECS]
     for spec in FIELD_SPECS:

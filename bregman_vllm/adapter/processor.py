@@ -29,7 +29,7 @@ State. Under V1 the rows to decode and their parameters are a `plan`
 (`bregman_vllm.core.plan`), built on the host only when a `BatchUpdate` adds, removes or moves a
 Bregman request. Under V2 with the Triton kernels (``BREGMAN_BACKEND``: the default on CUDA)
 there is no plan: as vLLM's own stages do, each request's parameters live in per-slot device
-columns (`core.rows.RowTable`, ``max_num_reqs`` entries), written in ``add_request`` and copied
+columns (`rows.RowTable`, ``max_num_reqs`` entries), written in ``add_request`` and copied
 to the device in ``apply_staged_writes``; `apply()` launches the kernels over
 ``ctx.expanded_idx_mapping`` (draft rows of speculative decoding included), which skip the rows
 of plain requests themselves; the host only reads its own columns at ``idx_mapping_np`` (numpy,
@@ -38,7 +38,7 @@ the torch step (a CPU) the plan is rebuilt when ``add_request`` ran or the row o
 Positions and per-row values reach the device by pinned, non-blocking copies. In steady state
 `apply()` only runs the step, in place on vLLM's logits.
 
-Telemetry. After each `_decode`, ``last_step`` holds the step's `core.step.StepResult`: the
+Telemetry. After each `_decode`, ``last_step`` holds the step's `core.result.StepResult`: the
 support size k of every row (a device tensor, 0 for rows not decoded) and ``exact_rows``, the
 number of rows the fixed-shape step handed to the exact path (a host int read at the step's one
 sync; 0 when it did not sync), for metrics that must not add a sync.
@@ -70,6 +70,7 @@ from abc import ABC
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
@@ -80,10 +81,21 @@ try:  # vLLM >= 0.32: Model Runner V2 has its own processor interface
 except ImportError:  # pragma: no cover - older vLLM
     RunnerV2LogitsProcessor = ABC
 
+from .. import lifeline
+from ..backend import chosen_backend
+from ..backend import decode as decode_step
 from ..core.plan import Plan, plan_requests
-from ..core.rows import Row, RowTable
-from ..core.step import StepResult, chosen_backend, decode_step, step_memory_bound
-from ..params import BregmanParamError, BregmanParams
+from ..core.result import StepResult
+from ..core.step import step_memory_bound
+from ..params import (
+    DATA_FIELDS,
+    BregmanParamError,
+    BregmanParams,
+    bregman_keys,
+    dotted,
+    max_support_from_env,
+)
+from ..rows import Row, RowTable
 from . import telemetry
 
 if TYPE_CHECKING:
@@ -105,12 +117,38 @@ logger = logging.getLogger(__name__)
 _ACTIVE: dict[int, weakref.ref] = {}
 
 
-def request_params(extra_args: Mapping[str, Any] | None) -> BregmanParams | None:
-    """The validated Bregman parameters of a request, or None when it does not use them."""
+def request_params(extra_args: Mapping[str, Any] | None, max_support: int | None = None
+                   ) -> BregmanParams | None:
+    """The validated Bregman parameters of a request, held to ``max_support`` (a deployment's
+    largest support size, `BregmanParams.within`), or None when it does not use them.
+
+    A key meant as a Bregman field deeper in ``extra_args`` (``{"vllm_xargs": {"bregman_top_k":
+    1}}``, outside `DATA_FIELDS`) is refused, naming its path: the processor reads the first
+    level only, and would ignore it.
+    """
     params = BregmanParams.from_mapping(extra_args)
+    if extra_args:
+        for path in bregman_keys(extra_args, data=DATA_FIELDS):
+            if len(path) > 1:
+                raise BregmanParamError(
+                    "extra_args." + dotted(path), "the Bregman fields are read at the first "
+                    "level of extra_args (vllm_xargs) only, so this one would be ignored")
     if params is None or not params.enabled:
         return None
-    return params
+    return params.within(max_support)
+
+
+def _cap(params: BregmanParams) -> int:
+    """The size an adaptive request's k* may be held at (its k_max; 0: none, or fixed k)."""
+    return params.k_max if params.top_k is None and params.k_max is not None else 0
+
+
+def _caps(rows: list[tuple[int, BregmanParams]], batch: int) -> np.ndarray:
+    """`_cap` of each row of a batch (0 for rows of plain requests): the held rows' metric."""
+    caps = np.zeros(batch, dtype=np.int64)
+    for row, params in rows:
+        caps[row] = _cap(params)
+    return caps
 
 
 def _claim(vllm_config: object) -> bool:
@@ -167,6 +205,9 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         self.recorder = telemetry.StepRecorder(vllm_config, self.device, self.interface)
         self.vocab = vocab
         self.enabled = _claim(vllm_config)
+        # (also a general plugin; called here too for deployments whose VLLM_PLUGINS omit it)
+        lifeline.follow_parent()
+        max_support_from_env()  # an invalid BREGMAN_MAX_SUPPORT stops the engine at its start
         self.backend = chosen_backend(self.device)
         #: V2 with the kernels: the per-slot parameter columns (no plan).
         self.table: RowTable | None = None
@@ -175,6 +216,10 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         self.requests: dict[int, BregmanParams] = {}  # batch row (V1) or request slot (V2)
         self.temperatures: dict[int, float] = {}  # V2: per slot
         self.plan: Plan | None = None
+        #: Per row of ``plan`` (V1, V2 by plan) the adaptive k_max, for the held rows' metric.
+        self._caps: np.ndarray | None = None
+        #: V2 with the kernels: the same per request slot.
+        self._slot_caps = np.zeros(max_rows or 0, dtype=np.int64)
         self._stale = True
         self._layout: tuple[int, ...] | None = None  # V2: the row -> slot order of `plan`
         #: The last step's result (see the module docstring); None before the first one.
@@ -208,8 +253,10 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
-        """Reject bad ``bregman_*`` values at admission (ValueError -> HTTP 400)."""
-        request_params(sampling_params.extra_args)
+        """Reject bad ``bregman_*`` values at admission (ValueError -> HTTP 400), and sizes above
+        the deployment's largest support size when ``BREGMAN_MAX_SUPPORT`` is set (for front
+        ends that do not run the server's middleware)."""
+        request_params(sampling_params.extra_args, max_support_from_env())
 
     def is_argmax_invariant(self) -> bool:
         """Greedy selection and monotone renormalization keep the argmax (Theorems 3.1 and 3.2 of
@@ -255,8 +302,9 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
     def _apply_rows(self, logits: torch.Tensor) -> torch.Tensor:
         """V1: rows are batch positions, kept in order by `update_state`."""
         if self._stale or self.plan is None or self.plan.batch != logits.shape[0]:
-            self.plan = self._make_plan(sorted(self.requests.items()), logits.shape[0],
-                                        logits.shape[-1])
+            rows = sorted(self.requests.items())
+            self.plan = self._make_plan(rows, logits.shape[0], logits.shape[-1])
+            self._caps = _caps(rows, logits.shape[0])
             self._stale = False
         return self._decode(logits, self.plan, self.backend)
 
@@ -279,6 +327,8 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
                 self.requests[req_idx] = wanted
                 self.temperatures[req_idx] = float(sampling_params.temperature)
                 self._stale = True
+                if req_idx < len(self._slot_caps):
+                    self._slot_caps[req_idx] = _cap(wanted)
                 if self.table is not None:
                     self.table.write(req_idx, row, float(sampling_params.temperature))
                 return True
@@ -335,11 +385,14 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
             # The kernels failed before writing: the torch step, by plan, row by row at worst.
             return self._apply_planned(logits, ctx, backend="torch")
         self.last_step = StepResult(step.out, step.k, step.exact_rows)
+        caps = None
         if len(ctx.idx_mapping_np) == logits.shape[0]:
             modes = table.host["mode"][ctx.idx_mapping_np]
+            caps = self._slot_caps[ctx.idx_mapping_np]
         else:  # several rows per request: the modes by the device mapping, copied with k
+            # (held rows are not counted there: their caps would need a device copy too)
             modes = table.columns["mode"].index_select(0, ctx.expanded_idx_mapping)
-        self.recorder.record_rows(step.k, modes, step.family_rows, step.exact_rows)
+        self.recorder.record_rows(step.k, modes, step.family_rows, step.exact_rows, caps)
         return logits
 
     def _apply_planned(self, logits: torch.Tensor, ctx: LogitsContext, backend: str
@@ -366,14 +419,15 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         # Plain rows keep temperature 1 here: they are not decoded.
         temperatures = [self.temperatures.get(slot, 1.0) if slot in self.requests else 1.0
                         for slot in layout]
-        self.plan = self._make_plan([(i, self.requests[layout[i]]) for i in positions],
-                                    len(layout), logits.shape[-1], temperatures)
+        rows = [(i, self.requests[layout[i]]) for i in positions]
+        self.plan = self._make_plan(rows, len(layout), logits.shape[-1], temperatures)
+        self._caps = _caps(rows, len(layout))
 
     # ------------------------------------------------------------------ shared
 
     def _wanted(self, extra_args: Mapping[str, Any] | None) -> BregmanParams | None:
         try:
-            return request_params(extra_args)
+            return request_params(extra_args, max_support_from_env())
         except BregmanParamError as error:  # validate_params ran already; be defensive
             # A request that asked for Bregman decoding gets plain sampling: counted.
             telemetry.record_failure(1, self.interface, error)
@@ -421,13 +475,13 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         else:
             self.last_step = step
             # k* and exact-path rows, outside the try: a telemetry bug never decodes twice.
-            self.recorder.record(plan, step.k, step.exact_rows)  # never raises
+            self.recorder.record(plan, step.k, step.exact_rows, self._caps)  # never raises
             return logits
         for group in plan.groups:
             single = plan.with_groups((group,))
             try:
                 step = decode_step(logits, single, logits=True, inplace=True, backend="torch")
-                self.recorder.record(single, step.k, step.exact_rows)
+                self.recorder.record(single, step.k, step.exact_rows, self._caps)
             except Exception:
                 self._decode_rows_alone(logits, group, plan)
         return logits
@@ -443,7 +497,7 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
                 single = plan.with_groups(single.groups)
                 step = decode_step(logits, single, logits=True, inplace=True,
                                    backend="torch")
-                self.recorder.record(single, step.k, step.exact_rows)
+                self.recorder.record(single, step.k, step.exact_rows, self._caps)
             except Exception as error:
                 telemetry.record_failure(1, self.interface, error)
 

@@ -8,6 +8,9 @@ server's /metrics, summed over the engine processes of data-parallel ranks):
     bregman_exact_path_rows_total{reason}   rows the exact path decoded: "family" (an alpha
                                             without a fixed-shape formula) or "uncertified"
     bregman_processor_failures_total{interface}
+    bregman_support_held_total{mode}        adaptive rows whose k* was held at their k_max (the
+                                            server's largest support size when the request
+                                            sent none): where the bound binds
 
 **Failures.** `apply()` never raises (an exception inside a logits processor would fail every
 request on the engine), so a failure must be visible some other way. Each failed row (and each
@@ -30,7 +33,9 @@ and the exact-path rows the step counted), with no host sync:
    the engine goes idle (so the last step of a burst is counted too). On CPU k is on the host
    already and is read at once: the same queue, every entry ready;
 4. reading an entry: the rows with k >= 1 and a Bregman mode, bucketed with numpy on the
-   host, are added to this process's running totals, which are written to its files.
+   host, are added to this process's running totals, which are written to its files; so are
+   the rows whose k equals their cap (the adaptive rows' k_max, given per row by the processor
+   from its requests; 0 for fixed-k rows and rows without one): their support was held.
 
 Greedy requests (temperature 0) take the argmax whatever a processor does; they are not decoded
 and not counted. Each row of a step is counted: with speculative decoding that is every scored
@@ -143,6 +148,7 @@ class _Pending:
     k: torch.Tensor  # [N] on the host (pinned on CUDA; being copied until ``event``)
     modes: np.ndarray | torch.Tensor  # [N] 0 = not a Bregman row, else 1 + index in MODES
     event: Any  # torch.cuda.Event, or None when ``k`` is ready
+    caps: np.ndarray | None = None  # [N] the adaptive rows' k_max (0: none), on the host
 
 
 class _Engine:
@@ -225,12 +231,18 @@ class _Engine:
             self.pending.popleft()
             modes = entry.modes
             self._count(entry.k.numpy(), modes if isinstance(modes, np.ndarray)
-                        else modes.numpy())
+                        else modes.numpy(), entry.caps)
 
-    def _count(self, k: np.ndarray, modes: np.ndarray) -> None:
+    def _count(self, k: np.ndarray, modes: np.ndarray, caps: np.ndarray | None = None) -> None:
         chosen = (modes > 0) & (k > 0)
         if not chosen.any():
             return
+        if caps is not None and len(caps) == len(k):
+            held = chosen & (caps > 0) & (k == caps)
+            if held.any():
+                per_mode = np.bincount(modes[held].astype(np.intp) - 1, minlength=len(em.MODES))
+                for index in np.flatnonzero(per_mode):
+                    self.add(em.held(em.MODES[index]), float(per_mode[index]))
         sizes = k[chosen]
         mode = modes[chosen].astype(np.intp) - 1
         # Bucket i holds 2^(i-1) < k <= 2^i: the binary exponent of k - 1 (exact for integers).
@@ -319,9 +331,11 @@ class StepRecorder:
             _engine().target(em.shared_directory(instance if isinstance(instance, str) else None))
         register(interface)
 
-    def record(self, plan: Plan, k: torch.Tensor, exact_rows: int) -> None:
+    def record(self, plan: Plan, k: torch.Tensor, exact_rows: int,
+               caps: np.ndarray | None = None) -> None:
         """Count one step: ``k`` [plan.batch] and ``exact_rows`` (the rows it handed to the
-        exact path, `core.step.StepResult`) from the core's step."""
+        exact path, `core.step.StepResult`) from the core's step; ``caps`` [plan.batch] the
+        adaptive rows' k_max (0: none), for the held rows."""
         with _NeverRaise():
             if self._counts is None:
                 self._counts = _tensor_parallel_rank() == 0
@@ -329,21 +343,22 @@ class StepRecorder:
                 return
             if plan is not self._plan:
                 self._prepare(plan)
-            self._queue(k, self._modes, self._family_rows, exact_rows)
+            self._queue(k, self._modes, self._family_rows, exact_rows, caps)
 
     def record_rows(self, k: torch.Tensor, modes: np.ndarray | torch.Tensor, family_rows: int,
-                    exact_rows: int) -> None:
+                    exact_rows: int, caps: np.ndarray | None = None) -> None:
         """Count one step of a plan-less processor (Model Runner V2 with the kernels):
         ``modes`` per row (1 + index in MODES, 0 for rows of plain requests; on the host, or a
-        device tensor copied with ``k``), ``family_rows`` the rows of exact-path families."""
+        device tensor copied with ``k``), ``family_rows`` the rows of exact-path families,
+        ``caps`` as in `record` (None: held rows not counted this step)."""
         with _NeverRaise():
             if self._counts is None:
                 self._counts = _tensor_parallel_rank() == 0
             if self._counts:
-                self._queue(k, modes, family_rows, exact_rows)
+                self._queue(k, modes, family_rows, exact_rows, caps)
 
     def _queue(self, k: torch.Tensor, modes: np.ndarray | torch.Tensor, family_rows: int,
-               exact_rows: int) -> None:
+               exact_rows: int, caps: np.ndarray | None = None) -> None:
         if self.device.type == "cuda":
             host = k.to("cpu", non_blocking=True)  # into pinned memory, asynchronously
             if isinstance(modes, torch.Tensor):
@@ -358,7 +373,7 @@ class StepRecorder:
                 engine.add(em.exact_rows("family"), family_rows)
             if exact_rows:
                 engine.add(em.exact_rows("uncertified"), exact_rows)
-            engine.queue(_Pending(host, modes, event))
+            engine.queue(_Pending(host, modes, event, caps))
 
     def _prepare(self, plan: Plan) -> None:
         """Per plan, on the host: each row's mode and the rows of exact-path families."""
