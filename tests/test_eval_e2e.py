@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from bregman_vllm.evaluation import cli
@@ -143,11 +144,79 @@ def test_samples_and_markdown(run_dir: Path) -> None:
     assert "| k | top-k (α=1) | primal α=2 |" in markdown
 
 
-def test_figures(run_dir: Path, tmp_path: Path) -> None:
+def test_figures(run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each figure shows the numbers it is drawn from (read back from the figures themselves):
+    the gaps figure's points are the result's (k, gap) pairs, the k* histogram's lines the
+    result's histograms, the cost curves and their k* dots the independent reference's
+    (tests/reference_search.py), the maps' lines the reference's maps."""
+    from bregman_vllm.evaluation import figures
+
+    from . import reference_search as rs
+
     for name in ("gaps_vs_k.png", "kstar_hist.png"):
         assert (run_dir / name).read_bytes()[:4] == b"\x89PNG"
+    drawn: dict[str, Any] = {}
+    save = figures._save
+
+    def keep(fig: Any, path: Path) -> Path:
+        drawn[Path(path).name] = fig
+        return save(fig, path)
+
+    monkeypatch.setattr(figures, "_save", keep)
     assert cli.main(["plot", "--result", str(run_dir / "results.json"), "--theory",
                      "--out", str(tmp_path)]) == 0
     names = sorted(p.name for p in tmp_path.glob("*.png"))
     assert names == sorted(["alpha_reshape.png", "renorm_maps.png", "primal_vs_dual_peaked.png",
                             "cost_convexity.png", "gaps_vs_k.png", "kstar_hist.png"])
+    assert sorted(drawn) == names
+    result = _result(run_dir)
+    configs = {c["label"]: c for c in result["configs"]}
+
+    # Gaps against k: fixed-k rows at their k, adaptive rows at their mean k*.
+    for ax, metric in zip(drawn["gaps_vs_k.png"].axes, ("ppl_gap", "rep_gap"), strict=True):
+        shown = {(round(float(x), 9), round(float(y), 9)) for container in ax.containers
+                 for x, y in zip(*container.lines[0].get_data(), strict=True)}
+        want = set()
+        for row in result["open"]["results"]:
+            config = configs[row["config"]]
+            if config["adaptive"]:
+                want.add((round(row["kstar"]["mean"], 9), round(row[metric]["value"], 9)))
+            elif config.get("top_k") is not None and not config.get("matched_to"):
+                want.add((float(config["top_k"]), round(row[metric]["value"], 9)))
+        assert shown == want, (metric, shown, want)
+
+    # k* histogram: one line per adaptive row of each task, the fractions of its steps.
+    lines = [line for line in drawn["kstar_hist.png"].axes[0].lines if line.get_label()[0] != "_"]
+    want_lines = []
+    for task in ("open", "gsm8k"):
+        for row in result[task]["results"]:
+            if row.get("kstar"):
+                hist = {int(k): v for k, v in row["kstar"]["histogram"].items()}
+                counts = np.array([hist.get(k, 0) for k in range(1, max(hist) + 1)], float)
+                want_lines.append(counts / counts.sum())
+    assert len(lines) == len(want_lines) > 0
+    for line, want in zip(lines, want_lines, strict=True):
+        np.testing.assert_allclose(line.get_ydata(), want, rtol=1e-12)
+
+    # cost(k) curves and their k* dots (V = 80, lambda = 1/80, Zipf p) against the reference.
+    log_p = np.log(figures.zipf(80, exponent=1.0))[None]
+    for ax, mode in zip(drawn["cost_convexity.png"].axes, ("primal", "dual"), strict=True):
+        curves = [line for line in ax.lines if len(line.get_xdata()) > 1]
+        dots = [line for line in ax.lines if len(line.get_xdata()) == 1]
+        assert curves and len(curves) == len(dots)
+        for curve, dot in zip(curves, dots, strict=True):
+            alpha = float(curve.get_label().split("=")[1].split("(")[0])
+            ks = np.arange(1, 81)
+            costs = np.array([rs.direct_cost(log_p, k, alpha, 1 / 80, mode)[0] for k in ks])
+            np.testing.assert_allclose(curve.get_ydata(), costs, rtol=1e-9)
+            k_star = int(rs.decode(log_p, alpha, 1 / 80, mode).k[0])
+            assert dot.get_xdata()[0] == k_star, (mode, alpha)
+
+    # The maps of Figure 2's input, line by line.
+    for ax, mode in zip(drawn["renorm_maps.png"].axes, ("primal", "dual"), strict=True):
+        maps = [line for line in ax.lines if line.get_label().startswith("alpha")]
+        assert len(maps) >= 6
+        for line in maps:
+            alpha = float(line.get_label().split("=")[1])
+            want = rs.renormalize(np.asarray(line.get_xdata()), alpha, mode)[0]
+            np.testing.assert_allclose(line.get_ydata(), want, rtol=1e-9)

@@ -6,15 +6,18 @@ in requirements/dev.txt) runs the local task ``data/lm_eval/gsm8k_local.yaml`` (
 GSM8K lines, no hub download: the test sets HF_DATASETS_OFFLINE / HF_HUB_OFFLINE) on 3
 problems with 32 new tokens:
 
-* ``local-completions`` with the Bregman fields in ``--gen_kwargs`` (finite alpha);
-* ``local-chat-completions``: ``bregman_top_k=1`` at temperature 1 must give exactly the
-  greedy (temperature 0) answers, which shows that the fields reach the sampler (plain sampling
-  at T = 1 from the tiny model, whose top token has ~10 % of the mass, would not);
+Each Bregman run keeps one token per step (``bregman_k_max=1`` or ``bregman_top_k=1``) at
+temperature 1 and must give exactly lm-eval's greedy (temperature 0) answers, which shows that
+the fields reach the sampler and decode as asked (plain sampling at T = 1 from the tiny model,
+whose top token has ~10 % of the mass, would not):
+
+* ``local-completions`` with the Bregman fields in ``--gen_kwargs`` (finite alpha, adaptive);
+* ``local-chat-completions`` with ``bregman_top_k=1``;
 * ``bregman_alpha='inf'`` (quoted: lm-eval sends the string "inf") and ``bregman_alpha=inf``,
   which lm-eval turns into a float and sends as the JSON constant ``Infinity``, which the
   server accepts for ``bregman_alpha``.
 
-About 2 minutes in all (server start ~30 s, each of the 4 lm_eval runs ~15-25 s).
+About 2.5 minutes in all (server start ~30 s, each of the 6 lm_eval runs ~15-25 s).
 """
 
 from __future__ import annotations
@@ -91,11 +94,25 @@ def responses(rows: list[dict[str, Any]]) -> list[str]:
     return [row["resps"][0][0] for row in ordered]
 
 
-def test_local_completions_with_bregman_gen_kwargs(server: ServerProcess,
-                                                   tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def greedy(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The oracle of the completions runs: lm-eval's greedy (temperature 0) answers. A run
+    whose Bregman fields keep one token (a cap or a top-k of 1) at temperature 1 must give
+    exactly these: the fields reached the sampler and decoded as asked (plain sampling at T = 1
+    from the tiny model, whose top token has ~10 % of the mass, would not)."""
+    _, rows = lm_eval(tmp_path_factory.mktemp("greedy"), "local-completions",
+                      completions_args(server), "temperature=0.0,max_gen_toks=32")
+    answers = responses(rows)
+    assert len(answers) == 3 and any(answers)
+    return answers
+
+
+def test_local_completions_with_bregman_gen_kwargs(server: ServerProcess, tmp_path: Path,
+                                                   greedy: list[str]) -> None:
+    """Finite alpha, adaptive k* capped at 1 by bregman_k_max: the greedy answers."""
     results, rows = lm_eval(
         tmp_path, "local-completions", completions_args(server),
-        "bregman_alpha=1.5,bregman_lambda=0.01,bregman_k_max=50,temperature=1.0,"
+        "bregman_alpha=1.5,bregman_lambda=0.01,bregman_k_max=1,temperature=1.0,"
         "max_gen_toks=32")
     scores = results["results"][TASK]
     for name in ("exact_match,strict-match", "exact_match,flexible-extract"):
@@ -104,8 +121,7 @@ def test_local_completions_with_bregman_gen_kwargs(server: ServerProcess,
     generation = results["configs"][TASK]["generation_kwargs"]
     assert generation["bregman_alpha"] == 1.5 and generation["temperature"] == 1.0
     assert len(rows) == 3
-    texts = responses(rows)
-    assert all(isinstance(text, str) for text in texts) and any(texts)
+    assert responses(rows) == greedy
     # The prompt is the 8-shot chain of thought built from the vendored exemplars.
     prompt = rows[0]["arguments"]["gen_args_0"]["arg_0"]
     assert prompt.count("Question:") == 9 and "#### 72" in prompt
@@ -126,15 +142,15 @@ def test_local_chat_completions_top1_equals_greedy(server: ServerProcess,
     assert any(responses(greedy))
 
 
-def test_local_completions_alpha_inf_as_a_quoted_string(server: ServerProcess,
-                                                        tmp_path: Path) -> None:
+def test_local_completions_alpha_inf_as_a_quoted_string(server: ServerProcess, tmp_path: Path,
+                                                        greedy: list[str]) -> None:
     """``bregman_alpha='inf'``: lm-eval keeps a quoted value as a string, which every server
-    version accepts (water-filling over the top 4)."""
+    version accepts (water-filling over the top 1: the greedy answers)."""
     results, rows = lm_eval(
         tmp_path, "local-completions", completions_args(server),
-        "bregman_alpha='inf',bregman_top_k=4,temperature=1.0,max_gen_toks=16")
+        "bregman_alpha='inf',bregman_top_k=1,temperature=1.0,max_gen_toks=32")
     assert results["configs"][TASK]["generation_kwargs"]["bregman_alpha"] == "inf"
-    assert len(rows) == 3 and any(responses(rows))
+    assert len(rows) == 3 and responses(rows) == greedy
 
 
 def _server_accepts_json_infinity(server: ServerProcess) -> bool:
@@ -147,10 +163,12 @@ def _server_accepts_json_infinity(server: ServerProcess) -> bool:
     return response.status_code == 200
 
 
-def test_local_completions_alpha_inf(server: ServerProcess, tmp_path: Path) -> None:
+def test_local_completions_alpha_inf(server: ServerProcess, tmp_path: Path,
+                                     greedy: list[str]) -> None:
+    """``bregman_alpha=inf`` (sent as JSON ``Infinity``) over the top 1: the greedy answers."""
     assert _server_accepts_json_infinity(server), "JSON Infinity refused by the server"
     results, rows = lm_eval(
         tmp_path, "local-completions", completions_args(server),
-        "bregman_alpha=inf,bregman_top_k=4,temperature=1.0,max_gen_toks=16")
+        "bregman_alpha=inf,bregman_top_k=1,temperature=1.0,max_gen_toks=32")
     assert results["configs"][TASK]["generation_kwargs"]["bregman_alpha"] == float("inf")
-    assert len(rows) == 3
+    assert len(rows) == 3 and responses(rows) == greedy

@@ -233,6 +233,42 @@ def test_request_top_k_applies_after_bregman(llm):
         assert int((torch.exp(dense(step, vocab)) > 0).sum()) <= 2
 
 
+def test_request_top_p_applies_after_bregman(llm):
+    """``top_p`` beside Bregman fields: vLLM's nucleus cut (the smallest set of the most
+    probable tokens holding top_p of the mass; vLLM keeps the tokens whose larger-or-equal
+    neighbours leave more than 1 - top_p) acts on q, the Bregman-decoded distribution of the
+    step (the independent reference on the plain distribution), and renormalizes it."""
+    if RUNNER == "v2":
+        # As top_k: V2's top-k/top-p sampling fails under Triton's interpreter.
+        pytest.skip("V2 top-p sampling does not run under Triton's interpreter")
+    from tests import reference_search as rs
+
+    vocab = vocab_size(llm)
+    bregman = {"bregman_alpha": 1.5, "bregman_lambda": 1e-4}
+    out = llm.generate(PROMPTS[:1], sampling(temperature=1.0, max_tokens=4, logprobs=-1,
+                                             top_p=0.6, seed=9, extra_args=bregman),
+                       use_tqdm=False)[0]
+    tokens = list(out.outputs[0].token_ids)
+    plain = llm.generate([{"prompt_token_ids": list(out.prompt_token_ids) + tokens[:t]}
+                          for t in range(len(tokens))],
+                         sampling(temperature=1.0, max_tokens=1, logprobs=-1), use_tqdm=False)
+    cut = []
+    for step, reference in zip(out.outputs[0].logprobs, plain, strict=True):
+        q = rs.decode(dense(reference.outputs[0].logprobs[0], vocab).numpy()[None], 1.5,
+                      1e-4).q[0]
+        ascending = np.sort(q)
+        # (vLLM: sort ascending, drop the tokens whose cumulative mass is at most 1 - top_p)
+        dropped = ascending[np.cumsum(ascending) <= 1 - 0.6]
+        keep = q > (dropped.max() if dropped.size else 0.0)
+        want = np.where(keep, q, 0.0) / q[keep].sum()
+        got = dense(step, vocab)
+        got = torch.where(got > -9000.0, got.exp(), 0.0).numpy()
+        assert np.array_equal(got > 0, want > 0), (int((got > 0).sum()), int(keep.sum()))
+        assert np.max(np.abs(got[keep] - want[keep]) / want[keep]) < 1e-4
+        cut.append(int(keep.sum()) < int((q > 0).sum()))
+    assert any(cut)  # the nucleus did cut the Bregman support somewhere
+
+
 def test_min_p_acts_on_p_under_v1_and_on_q_under_v2(llm):
     """The one ordering difference between the runners: vLLM's min_p runs before custom
     processors under V1 (on p) and after them under V2 (on q = Bregman(p)). (Under V2 this

@@ -70,9 +70,12 @@ def lam_for(logits: np.ndarray, alpha: float, mode: str, target: int) -> float:
 
 
 def compare(got_q: np.ndarray, got_k: np.ndarray, want: rs.Decoded, lam: float, *,
-            rtol: float = RTOL, tie: float = TIE, label: str = "") -> float:
+            rtol: float = RTOL, tie: float = TIE, label: str = "",
+            log_p: np.ndarray | None = None) -> float:
     """Row by row: the same k* (unless lambda is within ``tie`` of a gap there, or the core
     kept every token within `KEEP_ALL_TV`), the same support, q within ``rtol`` relative.
+    With ``log_p`` (the rows decoded), supports may differ by tokens tied in p at the
+    support's edge (a bfloat16 model's logits tie often), q then compared as sorted values.
     Returns the worst relative error of q over the rows compared."""
     margins = want.margin(lam)
     worst = 0.0
@@ -88,6 +91,13 @@ def compare(got_q: np.ndarray, got_k: np.ndarray, want: rs.Decoded, lam: float, 
             assert k > k_ref and tv <= KEEP_ALL_TV + 1e-12, f"{where}, tv {tv:.2e}"
             continue
         on = q_ref > 0
+        if log_p is not None and not np.array_equal(q > 0, on):
+            edge = np.min(log_p[row][on])  # the smallest p kept by the reference
+            swapped = (q > 0) != on
+            assert np.all(np.abs(log_p[row][swapped] - edge) <= 1e-6), \
+                f"{where}: different supports, not by ties at the edge"
+            q, q_ref = np.sort(q)[::-1], np.sort(q_ref)[::-1]
+            on = q_ref > 0
         assert np.array_equal(q > 0, on), f"{where}: different supports"
         error = float(np.max(np.abs(q[on] - q_ref[on]) / q_ref[on]))
         assert error <= rtol, f"{where}: q relative error {error:.2e}"

@@ -16,8 +16,12 @@ Bregman fields reached the processor.
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 import secrets
+import signal
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -30,6 +34,7 @@ from .test_engine_metrics import DASHBOARD, dashboard_queries, promql_metric_nam
 from .test_server_support import (
     ServerProcess,
     check_engine_metrics_add_up,
+    comm,
     complete_all,
     engine_counts,
     finite_top_logprobs,
@@ -222,11 +227,25 @@ def test_sdk_chat_and_chat_stream(live: Live) -> None:
     assert reply.choices[0].message.role == "assistant"
     counts = [finite_top_logprobs(item.top_logprobs) for item in reply.choices[0].logprobs.content]
     assert counts and all(count == 2 for count in counts)
-    stream = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=6, temperature=0.8, stream=True,
-        extra_body={"bregman_mode": "primal", "bregman_alpha": 3, "bregman_lambda": 0.001})
-    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-    assert text
+    # The stream's content: every step's decoded distribution (processed logprobs) is a
+    # support of at most k_max = 3 tokens holding all the mass, the sampled token in it, and
+    # the seeded stream says what the same request does unstreamed.
+    chat = {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0.8,
+            "seed": 7, "logprobs": True, "top_logprobs": TOP,
+            "extra_body": {"bregman_mode": "primal", "bregman_alpha": 3,
+                           "bregman_lambda": 0.001, "bregman_k_max": 3}}
+    chunks = [chunk for chunk in client.chat.completions.create(**chat, stream=True)
+              if chunk.choices]
+    steps = [item for chunk in chunks if chunk.choices[0].logprobs
+             for item in chunk.choices[0].logprobs.content]
+    assert len(steps) == 6
+    for step in steps:
+        kept = {entry.token: entry.logprob for entry in step.top_logprobs
+                if entry.logprob > -9000}
+        assert 1 <= len(kept) <= 3 and step.token in kept, kept
+        assert abs(sum(math.exp(value) for value in kept.values()) - 1.0) < 1e-4, kept
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+    assert text == client.chat.completions.create(**chat).choices[0].message.content
 
 
 # --- raw HTTP, as curl sends it -----------------------------------------------------------------
@@ -571,54 +590,125 @@ def wait_until_idle(live: Live, timeout: float = 30.0) -> float:
     return after
 
 
-# 16 sequences of 2000 tokens: about 20 s of work for vLLM on a loaded 2-core machine. While
-# the engine generates, the test's own client can get no CPU for seconds (measured: a 0.5 s
-# read timeout raised after 5 to 9 s, with 8 sequences the engine had finished by then), so
-# the work must outlast the client's late departure for the abort to be what is measured.
+# 16 sequences of 2000 tokens: about 20 s of work for vLLM on a loaded 2-core machine.
 LONG = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "n": 16, "ignore_eos": True,
         "temperature": 1.0, "bregman_alpha": 2.0, "bregman_lambda": 0.001}
 FULL = 16 * 2000
 
 
-def test_client_disconnect_mid_stream_aborts_the_generation(live: Live) -> None:
-    start = wait_until_idle(live)
-    finished = live.finished()
-    with httpx.Client(timeout=30) as client, client.stream(
-            "POST", live.url + "/v1/completions", json={**LONG, "stream": True},
-            headers=live.auth) as response:
-        assert response.status_code == 200, response.read()
-        received = 0
-        for line in response.iter_lines():
-            if line.startswith("data: {"):
-                received += 1
-                if received == 20:
-                    break  # closes the connection
-        assert received == 20
-        # The engine got our request and is generating it (vLLM's own counters).
-        assert live.generated() > start
+def _engines(live: Live) -> list[int]:
+    """The engine's processes (vLLM's EngineCore and any Worker) of the module's server."""
+    engines = [pid for pid in live.server.remember_descendants()
+               if comm(pid).startswith(("VLLM::EngineCore", "VLLM::Worker"))]
+    assert engines, "no engine process found"
+    return engines
+
+
+def _signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        os.kill(pid, signum)
+
+
+def _paused_once_generating(live: Live, start: float, engines: list[int]) -> None:
+    """Let the engine run in 50 ms slices until vLLM's counters show it generating (more
+    tokens than ``start``), and leave it paused (SIGSTOP).
+
+    Why: the server must turn a client's disconnect into an abort of the engine's request,
+    and on a loaded machine its API server (which serves /metrics, sends the answer and
+    notices the disconnect) can get no CPU for seconds while the niced engine generates on the
+    other core. Twice, under load, the engine generated all 32000 tokens before the abort
+    arrived (once with the client gone after a 0.5 s read timeout; once, in this test's
+    streaming sibling, after 20 events read): a race lost by the API server's lateness, not a
+    missing abort. With the engine paused while the client leaves and the server handles it,
+    the abort is queued before the engine can finish, whatever the scheduling."""
+    deadline = time.monotonic() + 120
+    while True:
+        _signal_all(engines, signal.SIGSTOP)
+        if live.generated() > start:
+            return
+        assert time.monotonic() < deadline, "vLLM never started the generation"
+        _signal_all(engines, signal.SIGCONT)
+        time.sleep(0.05)
+
+
+def _wait_until_handled(live: Live) -> None:
+    """Until the server has ended the request the client left (its in-flight gauge for the
+    route back to 0: the handler ran its cancellation, which sends vLLM's abort)."""
+    deadline = time.monotonic() + 120
+    while prometheus_value(live.metrics(), "bregman_server_requests_in_flight", default=0.0,
+                           endpoint="/v1/completions") > 0:
+        assert time.monotonic() < deadline, "the server still serves the request the client left"
+        time.sleep(0.05)
+
+
+def _assert_aborted(live: Live, start: float, finished: float, received: int) -> None:
+    deadline = time.monotonic() + 120
+    while live.running() > 0:
+        assert time.monotonic() < deadline, "vLLM still runs the request after the client left"
+        time.sleep(0.1)
     end = wait_until_idle(live)
     assert received <= end - start < FULL
     assert live.finished() == finished, "vLLM finished the generation instead of aborting it"
     # The server still serves.
-    assert live.client().completions.create(**sample_kwargs()).choices[0].text is not None
+    assert live.client().completions.create(**sample_kwargs()).usage.completion_tokens == 4
     assert httpx.get(live.url + "/health", timeout=60).status_code == 200
 
 
-def test_client_disconnect_while_waiting_for_a_non_streaming_answer(live: Live) -> None:
+def _open(live: Live, body: dict[str, Any]) -> socket.socket:
+    """A connection with ``body`` posted to /v1/completions (HTTP/1.1 as curl sends it)."""
+    host, port = live.url.removeprefix("http://").rsplit(":", 1)
+    data = json.dumps(body).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+            f"Authorization: {live.auth['Authorization']}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
+    connection = socket.create_connection((host, int(port)), timeout=60)
+    connection.sendall(head.encode() + data)
+    return connection
+
+
+def test_client_disconnect_mid_stream_aborts_the_generation(live: Live) -> None:
+    """A client leaves a stream after its first events (the engine paused meanwhile: see
+    `_paused_once_generating`): the server aborts the generation."""
     start = wait_until_idle(live)
     finished = live.finished()
+    engines = _engines(live)
+    connection = _open(live, {**LONG, "stream": True})
     try:
-        response = httpx.post(live.url + "/v1/completions", json=LONG, headers=live.auth,
-                              timeout=httpx.Timeout(10, read=0.5))
-    except httpx.ReadTimeout:
-        pass  # the client gave up: the server must abort the generation
-    else:
-        pytest.fail(f"answered before the client gave up: {response.status_code} "
-                    f"{response.text[:500]}")
-    end = wait_until_idle(live)
-    assert 0 < end - start < FULL
-    assert live.finished() == finished, "vLLM finished the generation instead of aborting it"
-    assert live.client().completions.create(**sample_kwargs()).usage.completion_tokens == 4
+        _paused_once_generating(live, start, engines)
+        received = b""
+        while received.count(b"data: {") < 1:  # an event of the tokens generated so far
+            block = connection.recv(1 << 16)
+            assert block, received[-500:]
+            received += block
+        assert received.startswith(b"HTTP/1.1 200"), received[:500]
+        assert live.finished() == finished, "the generation ended before the client left"
+        connection.close()  # the client leaves
+        _wait_until_handled(live)
+    finally:
+        _signal_all(engines, signal.SIGCONT)
+        connection.close()
+    _assert_aborted(live, start, finished, received.count(b"data: {"))
+
+
+def test_client_disconnect_while_waiting_for_a_non_streaming_answer(live: Live) -> None:
+    """A client gives up on a non-streaming answer while vLLM generates it: the server must
+    abort the generation (vLLM finishes no request and generates less than asked). The client
+    gives up on an event (vLLM's counters show the engine generating its request, the engine
+    then paused: `_paused_once_generating`), not on a 0.5 s read timeout, a timer that a loaded
+    machine ran late."""
+    start = wait_until_idle(live)
+    finished = live.finished()
+    engines = _engines(live)
+    connection = _open(live, LONG)
+    try:
+        _paused_once_generating(live, start, engines)
+        assert live.finished() == finished, "the generation ended before the client gave up"
+        connection.close()  # the client gives up
+        _wait_until_handled(live)
+    finally:
+        _signal_all(engines, signal.SIGCONT)
+        connection.close()
+    _assert_aborted(live, start, finished, 1)
 
 
 def test_metrics_by_endpoint_and_mode(live: Live) -> None:

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -301,6 +301,24 @@ def shut_down(server: ServerProcess, expect_code: int | None = 0) -> None:
     assert not left, f"processes left behind: {sorted(left)}"
     if expect_code is not None:
         assert code == expect_code, f"exit code {code}:\n{server.log_tail()}"
+
+
+def shut_down_all(servers: Iterable[ServerProcess]) -> None:
+    """Teardown of a module's servers, hiding nothing: one still running must stop on SIGTERM
+    with exit code 0 and nothing left behind; one a test already ended (and checked: its exit
+    code is the test's business) must have left nothing behind either. Every server is
+    stopped before the first failure is raised."""
+    failures: list[AssertionError] = []
+    for server in servers:
+        if server.process is None:
+            continue
+        ended = server.process.poll() is not None
+        try:
+            shut_down(server, expect_code=None if ended else 0)
+        except AssertionError as failure:
+            failures.append(failure)
+    if failures:
+        raise failures[0]
 
 
 def finite_top_logprobs(entry: Any) -> int:

@@ -103,6 +103,11 @@ class Other(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+#: Gates the stub's requests wait on (``{"gate": name}``), opened by `open_gate`: a test decides
+#: when a request ends by an event, not by a sleep that a loaded machine may outlast.
+GATES: dict[str, asyncio.Event] = {}
+
+
 async def _echo(request: Request) -> Response:
     raw = await request.body()
     body = json.loads(raw) if raw else None
@@ -116,6 +121,8 @@ async def _echo(request: Request) -> Response:
         return StreamingResponse(events(), media_type="text/event-stream")
     if isinstance(body, dict) and body.get("hang"):
         await asyncio.sleep(float(body["hang"]))
+    if isinstance(body, dict) and body.get("gate"):  # held until the test opens the gate
+        await GATES.setdefault(str(body["gate"]), asyncio.Event()).wait()
     # ASCII JSON, so that a lone surrogate in the body comes back as its escape.
     return Response(json.dumps({"received": body, "raw": raw.decode("utf-8", "replace")},
                                ensure_ascii=True), media_type="application/json")
@@ -209,6 +216,17 @@ class Served:
     def __exit__(self, *exc: Any) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+    def wait_for_flights(self, count: int, within: float = 60.0) -> None:
+        """Wait until the middleware serves ``count`` requests (its open flights)."""
+        deadline = time.monotonic() + within
+        while self.call(lambda: len(self.lifecycle.flights)) < count:
+            assert time.monotonic() < deadline, f"fewer than {count} requests being served"
+            time.sleep(0.02)
+
+    def open_gate(self, name: str) -> None:
+        """Let the requests waiting at the stub's gate ``name`` answer."""
+        self.call(lambda: GATES.pop(name, asyncio.Event()).set())  # (a gate serves once)
 
     def call(self, function: Any, *args: Any) -> Any:
         """Run ``function(*args)`` on the server's own event loop and return its result."""
@@ -824,12 +842,14 @@ def test_clients_that_send_their_request_get_in_while_young_connections_hold_eve
 
 
 def test_connections_being_served_are_never_closed_for_room() -> None:
-    """Every slot serving a request (the stub answers after 1.5 s): a newcomer is answered 503
-    at once, and every request being served completes."""
+    """Every slot serving a request (held by the stub until the test lets them go): a newcomer
+    is answered 503 at once, and every request being served completes. (Events, not sleeps:
+    the four were assumed served 0.7 s after being sent and to last 1.5 s.)"""
     with Served(max_connections=4) as server, concurrent.futures.ThreadPoolExecutor(4) as pool:
-        slow = [pool.submit(server.post, "/v1/completions", {"hang": 1.5}) for _ in range(4)]
-        time.sleep(0.7)
+        slow = [pool.submit(server.post, "/v1/completions", {"gate": "room"}) for _ in range(4)]
+        server.wait_for_flights(4)
         refused = httpx.get(server.url + "/health", timeout=5)
+        server.open_gate("room")
         assert [future.result().status_code for future in slow] == [200] * 4
     assert assert_openai_error(refused, 503)["code"] == "too_many_connections"
 
@@ -1067,8 +1087,10 @@ def _head(length: int, key: bool = True) -> bytes:
 
 
 def test_a_trickled_body_has_a_deadline() -> None:
-    """A byte every 0.2 s never leaves a 1 s silence, but the whole body must arrive in 1.5 s."""
-    with Served(body_timeout=1.0, body_deadline=1.5) as server:
+    """A byte every 0.2 s never leaves a 10 s silence (a client thread a loaded machine starves
+    for seconds left more than the 1 s silence this used: a 408 for silence, not for the
+    deadline), but the whole body must arrive in 1.5 s (the server's timer: the deadline)."""
+    with Served(body_timeout=10.0, body_deadline=1.5) as server:
         answer, sent = _trickle(server.url, _head(1000), every=0.2)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert b"did not arrive whole within 1.5 s" in answer and sent < 200
@@ -1172,7 +1194,7 @@ def test_shutdown_ends_open_requests_in_openai_shape() -> None:
         threads = [threading.Thread(target=stream), threading.Thread(target=waiting)]
         for thread in threads:
             thread.start()
-        time.sleep(1.0)
+        server.wait_for_flights(2)  # both open (a 1 s sleep assumed so)
         server.call(server.lifecycle.refuse, "shutdown", "The server is shutting down.")
         refused = server.post("/v1/completions", {"prompt": "x"})
         assert assert_openai_error(refused, 503)["code"] == "shutdown"
