@@ -150,6 +150,12 @@ def test_half_precision_scores_and_masked_rows() -> None:
     ({"alpha": 1.5, "lam": 0.01, "mode": "off"}, "mode", 'must be one of "primal" | "dual"'),
     ({"alpha": True, "lam": 0.01}, "alpha", "must be a number"),
     ({"alpha": torch.tensor([1.5, 2.0]), "lam": 0.01}, "alpha", "single number"),
+    # Per-row lists, which the math core takes, are refused: generate's rows (padding, beams,
+    # num_return_sequences) would not line up with them.
+    ({"alpha": [1.5, 2.0], "lam": 0.01}, "alpha", "single number for the whole batch, got a list"),
+    ({"alpha": 1.5, "lam": (0.01, 0.02)}, "lam", "single number for the whole batch, got a tuple"),
+    ({"alpha": 1.5, "lam": 0.0, "top_k": [3, 4]}, "top_k", "got a list"),
+    ({"alpha": 1.5, "lam": 0.01, "k_max": [50, 60]}, "k_max", "got a list"),
 ])
 def test_invalid_values_raise_at_construction(kwargs: dict[str, Any], field: str,
                                               message: str) -> None:
@@ -157,8 +163,8 @@ def test_invalid_values_raise_at_construction(kwargs: dict[str, Any], field: str
         BregmanLogitsProcessor(**kwargs)
     assert error.value.field == field
     assert message in str(error.value)
-    # The same message as the math core's own entry point.
-    if not isinstance(kwargs.get("alpha"), torch.Tensor):
+    # The same message as the math core's own entry point (which takes per-row values).
+    if not any(isinstance(value, (torch.Tensor, list, tuple)) for value in kwargs.values()):
         with pytest.raises(BregmanParamError) as core_error:
             bregman_decode(torch.tensor([0.6, 0.4]), **kwargs)
         assert str(core_error.value) == str(error.value)
