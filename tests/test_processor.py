@@ -233,6 +233,40 @@ def test_request_top_k_applies_after_bregman(llm):
         assert int((torch.exp(dense(step, vocab)) > 0).sum()) <= 2
 
 
+def test_bregman_max_support_bounds_every_request_in_the_engine(llm, monkeypatch):
+    """``BREGMAN_MAX_SUPPORT`` in the engine's environment (this engine runs in the test's
+    process; the processor reads it at each request's admission): a request without
+    bregman_k_max decodes with k_max = 5 (the independent reference with that cap, on the plain
+    distribution of each step; lambda 0 would keep all 4096 tokens), and one asking a larger
+    support is refused at admission, naming the field."""
+    from vllm.exceptions import VLLMValidationError
+
+    from tests import reference_search as rs
+
+    monkeypatch.setenv("BREGMAN_MAX_SUPPORT", "5")
+    vocab = vocab_size(llm)
+    out = llm.generate(PROMPTS[:1], sampling(temperature=1.0, max_tokens=3, logprobs=-1, seed=6,
+                                             extra_args={"bregman_alpha": 1.5,
+                                                         "bregman_lambda": 0.0}),
+                       use_tqdm=False)[0]
+    tokens = list(out.outputs[0].token_ids)
+    plain = llm.generate([{"prompt_token_ids": list(out.prompt_token_ids) + tokens[:t]}
+                          for t in range(len(tokens))],
+                         sampling(temperature=1.0, max_tokens=1, logprobs=-1), use_tqdm=False)
+    for step, reference in zip(out.outputs[0].logprobs, plain, strict=True):
+        want = rs.decode(dense(reference.outputs[0].logprobs[0], vocab).numpy()[None], 1.5,
+                         0.0, k_max=5)
+        got = dense(step, vocab)
+        got = torch.where(got > -9000.0, got.exp(), 0.0).numpy()
+        assert int((got > 0).sum()) == int(want.k[0]) == 5
+        on = want.q[0] > 0
+        assert np.array_equal(got > 0, on)
+        assert np.max(np.abs(got[on] - want.q[0][on]) / want.q[0][on]) < 1e-4
+    with pytest.raises(VLLMValidationError, match="bregman_top_k"):
+        llm.generate(PROMPTS[:1], sampling(max_tokens=2, extra_args={"bregman_top_k": 6}),
+                     use_tqdm=False)
+
+
 def test_request_top_p_applies_after_bregman(llm):
     """``top_p`` beside Bregman fields: vLLM's nucleus cut (the smallest set of the most
     probable tokens holding top_p of the mass; vLLM keeps the tokens whose larger-or-equal
