@@ -35,6 +35,16 @@ from ..rows import FAMILY_CODES, ROUTE_CODES
 INTERPRET = tl.constexpr(bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else
                          os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"))
 
+
+
+def device(fn):
+    """A Triton device function: `triton.jit`, and under the interpreter the Python function
+    itself (the interpreter patches `triton.language` again at every call of a nested jit
+    function, about 0.1 ms: most of an interpreted search's time). The same text runs either
+    way."""
+    return fn if INTERPRET else triton.jit(fn)
+
+
 KEEP_ALL = tl.constexpr(FAMILY_CODES[Family.KEEP_ALL])
 KL = tl.constexpr(FAMILY_CODES[Family.KL])
 THREE_HALVES = tl.constexpr(FAMILY_CODES[Family.THREE_HALVES])
@@ -53,7 +63,7 @@ ROUTE_SEARCH = tl.constexpr(ROUTE_CODES[Route.SEARCH])
 # ----------------------------------------------------------------------------- float64 numerics
 
 
-@triton.jit
+@device
 def exp64(x):
     if INTERPRET:
         return tl.exp(x)
@@ -61,7 +71,7 @@ def exp64(x):
         return libdevice.exp(x)
 
 
-@triton.jit
+@device
 def log64(x):
     if INTERPRET:
         return tl.log(x)
@@ -69,7 +79,7 @@ def log64(x):
         return libdevice.log(x)
 
 
-@triton.jit
+@device
 def sqrt64(x):
     if INTERPRET:
         return tl.sqrt(x)
@@ -77,13 +87,13 @@ def sqrt64(x):
         return libdevice.sqrt(x)
 
 
-@triton.jit
+@device
 def pow64(x, y):
     """x^y for x >= 0 (0^y = 0 for y > 0), as e^(y log x)."""
     return exp64(y * log64(x))
 
 
-@triton.jit
+@device
 def log1p64(x):
     """log(1 + x) (Goldberg: log(u) x / (u - 1) with u = 1 + x, exact where u rounds)."""
     u = 1.0 + x
@@ -91,7 +101,7 @@ def log1p64(x):
     return tl.where(u == 1.0, x, log64(u) * ratio)
 
 
-@triton.jit
+@device
 def expm1_64(x):
     """e^x - 1 (Kahan: (u - 1) x / log(u) with u = e^x, exact where u rounds to 1)."""
     u = exp64(x)
@@ -101,7 +111,7 @@ def expm1_64(x):
     return tl.where(u == 1.0, x, tl.where(u == float("inf"), u, out))
 
 
-@triton.jit
+@device
 def logaddexp64(a, b):
     """log(e^a + e^b) (-inf when both are)."""
     top = tl.maximum(a, b)
@@ -109,7 +119,7 @@ def logaddexp64(a, b):
     return tl.where(top == float("-inf"), top, top + log1p64(exp64(gap)))
 
 
-@triton.jit
+@device
 def logsumexp64(v, inside):
     """log sum e^v over ``inside`` ([K] -> scalar; -inf for an empty selection)."""
     top = tl.max(tl.where(inside, v, float("-inf")), axis=0)
@@ -117,13 +127,13 @@ def logsumexp64(v, inside):
     return safe + log64(tl.sum(tl.where(inside, exp64(v - safe), 0.0), axis=0))
 
 
-@triton.jit
+@device
 def at(v, positions, j):
     """v[j] for a scalar position j (``positions``: tl.arange over v)."""
     return tl.sum(tl.where(positions == j, v, 0), axis=0)
 
 
-@triton.jit
+@device
 def shifted(v, positions, K: tl.constexpr):
     """v[j + 1] at position j (0 at the last)."""
     return tl.where(positions + 1 < K, tl.gather(v, tl.minimum(positions + 1, K - 1), 0), 0.0)
@@ -132,7 +142,7 @@ def shifted(v, positions, K: tl.constexpr):
 # ----------------------------------------------------------------------------- candidates' keys
 
 
-@triton.jit
+@device
 def order_key(value, index):
     """int64 keys that order entries as their float32 values (ties: the smaller index first):
     the value's bits made order-preserving as a signed integer (negative floats have their
@@ -143,20 +153,20 @@ def order_key(value, index):
     return (ordered.to(tl.int64) << 32) | (4294967295 - index.to(tl.int64))
 
 
-@triton.jit
+@device
 def key_value(key):
     """The float32 value of `order_key`."""
     high = (key >> 32).to(tl.int32)
     return tl.where(high < 0, high ^ 0x7FFFFFFF, high).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@device
 def key_index(key):
     """The index of `order_key`."""
     return 4294967295 - (key & 4294967295)
 
 
-@triton.jit
+@device
 def rank_top(keys, K: tl.constexpr):
     """The K largest of distinct ``keys``, sorted decreasingly, by rank: key i goes to position
     #{keys > key i}. (Triton's interpreter runs `tl.topk`'s bitonic network element by element,
@@ -166,7 +176,7 @@ def rank_top(keys, K: tl.constexpr):
     return tl.sum(tl.where(hit, keys[:, None], 0), axis=0)
 
 
-@triton.jit
+@device
 def top_keys(keys, K: tl.constexpr):
     """The K largest ``keys``, sorted decreasingly: `tl.topk` on a GPU, `rank_top` under the
     interpreter (the two agree: tests/test_kernels.py)."""
@@ -179,7 +189,7 @@ def top_keys(keys, K: tl.constexpr):
 # ----------------------------------------------------------------------------- closed-form gaps
 
 
-@triton.jit
+@device
 def kl_gaps(x, x_next):
     """`gaps.kl_gaps`: G(k) = log1p(p_(k+1) / S_k) at k = j + 1 (alpha = 1, eq. (1): cost(k) =
     -log S_k + lambda k)."""
@@ -187,7 +197,7 @@ def kl_gaps(x, x_next):
     return log1p64(x_next / tl.where(prefix > 0, prefix, 1.0))
 
 
-@triton.jit
+@device
 def square_gaps(x_next, deficit, sizes):
     """`gaps.square_gaps`: G(k) = (k p_(k+1) + R_k)^2 / (2 k (k + 1)) at k = j + 1 (alpha = 2,
     Proposition 4.1's q = p + R/k in eq. (6))."""
@@ -195,7 +205,7 @@ def square_gaps(x_next, deficit, sizes):
     return t * t / (2.0 * sizes * (sizes + 1.0))
 
 
-@triton.jit
+@device
 def three_halves_gaps(x, x_next, deficit, sizes, positions, K: tl.constexpr):
     """`gaps.three_halves_gaps`: primal alpha = 3/2 at k = j + 1, G(k) = 2/3 [(c_k -
     c_(k+1))^2 (3 r_k + 2k c_k + k c_(k+1)) + (sqrt(p_(k+1)) + c_(k+1))^3] with r_k =
@@ -208,7 +218,7 @@ def three_halves_gaps(x, x_next, deficit, sizes, positions, K: tl.constexpr):
     return (2.0 / 3.0) * (moved + added * added * added)
 
 
-@triton.jit
+@device
 def closed_gaps(family, x, deficit, positions, K: tl.constexpr):
     """`window.closed_gaps`: G(1 .. K - 1) at positions 0 .. K - 2 (the last is unused)."""
     sizes = (positions + 1).to(tl.float64)
@@ -225,20 +235,20 @@ def closed_gaps(family, x, deficit, positions, K: tl.constexpr):
 # ----------------------------------------------------------------------------- closed-form maps
 
 
-@triton.jit
+@device
 def kl_map(log_x, inside):
     """`primal.kl_log_renorm`: q = p / S on the support (alpha = 1, eq. (1))."""
     v = tl.where(inside, log_x, float("-inf"))
     return v - logsumexp64(v, inside)
 
 
-@triton.jit
+@device
 def square_map(log_x, inside, log_deficit, k):
     """`primal.square_log_renorm`: q_i = p_i + R / k (alpha = 2, Proposition 4.1)."""
     return tl.where(inside, logaddexp64(log_x, log_deficit - log64(k)), float("-inf"))
 
 
-@triton.jit
+@device
 def three_halves_map(log_x, inside, log_deficit, k):
     """`primal.three_halves_log_renorm`: q_i = (sqrt(p_i) + c)^2, c = R / (sqrt(r^2 + k R) + r)
     (alpha = 3/2, Proposition 4.1, rationalized)."""
@@ -249,7 +259,7 @@ def three_halves_map(log_x, inside, log_deficit, k):
     return tl.where(inside, 2.0 * logaddexp64(half, log_c), float("-inf"))
 
 
-@triton.jit
+@device
 def water_map(log_x, inside, log_deficit, k, positions, K: tl.constexpr):
     """`primal.water_filling_log_renorm`: q_i = max(p_i, c) with c the first level c_j = (1 -
     S_j) / (k - j) at or above p_(j+1) (alpha = +inf, Proposition 4.1)."""
@@ -262,7 +272,7 @@ def water_map(log_x, inside, log_deficit, k, positions, K: tl.constexpr):
     return tl.where(inside, log64(tl.maximum(p, c)), float("-inf"))
 
 
-@triton.jit
+@device
 def argmax_map(log_x, inside, log_deficit):
     """`primal.argmax_fill_log_renorm`: the deficit goes to the largest entry, shared equally
     among ties (alpha = -inf, Proposition 4.1)."""
@@ -272,7 +282,7 @@ def argmax_map(log_x, inside, log_deficit):
     return tl.where(inside, tl.where(tied, logaddexp64(log_x, shift), log_x), float("-inf"))
 
 
-@triton.jit
+@device
 def closed_map(family, log_x, inside, log_deficit, k, positions, K: tl.constexpr):
     """`primal.closed_log_renorm`: log T_k of a closed-form family on the candidates."""
     if family == KL:
@@ -291,7 +301,7 @@ def closed_map(family, log_x, inside, log_deficit, k, positions, K: tl.constexpr
 # ----------------------------------------------------------------------------- iterative maps
 
 
-@triton.jit
+@device
 def power_solve(x, x1, deficit, sizes, mask, alpha, iterations):
     """`window.power_solve`: primal T_k for alpha in `families.POWER_RANGE`, q_i = (p_i^b +
     w)^(1/b), b = alpha - 1 (eq. (4), Definition 4.1), by Newton on v = w / x_1^b from the start
@@ -317,7 +327,7 @@ def power_solve(x, x1, deficit, sizes, mask, alpha, iterations):
     return s, h, residual, pow64(inv_x1, alpha) * (alpha * b)
 
 
-@triton.jit
+@device
 def quadratic_root(a, b):
     """`dual.quadratic_root`: the root term sqrt(a^2 + b^2) of eq. (5)'s inner equation where it
     is a quadratic (alpha = 3/2: a = nu, b = 2 sqrt(p); alpha = 3: a = p, b = 2 sqrt(nu)). The
@@ -326,7 +336,7 @@ def quadratic_root(a, b):
     return sqrt64(a * a + b * b)
 
 
-@triton.jit
+@device
 def dual_three_halves_solve(x, deficit, sizes, mask, iterations):
     """`window.dual_quadratic_solve` for dual alpha = 3/2: 2 sqrt(q) = nu + sqrt(nu^2 + 4p)
     (eq. (5)), Newton on nu from the alpha = 2 solution's multiplier. Returns (4 q, H(k), the
@@ -346,7 +356,7 @@ def dual_three_halves_solve(x, deficit, sizes, mask, iterations):
     return q4, nu - tl.sum(q4 * h, axis=1) / 12.0, residual, tl.full((), 0.5, tl.float64)
 
 
-@triton.jit
+@device
 def dual_three_solve(x, deficit, sizes, mask, iterations):
     """`window.dual_quadratic_solve` for dual alpha = 3: 2 q = p + sqrt(p^2 + 4 nu) (eq. (5)),
     Newton on nu from its lower bound max((R/k)^2, R / sum_i 1/p_i). Returns (2 q, H(k), the
@@ -367,7 +377,7 @@ def dual_three_solve(x, deficit, sizes, mask, iterations):
     return q2, nu - tl.sum(q2 * q2 * q2, axis=1) / 24.0, residual, tl.full((), 2.0, tl.float64)
 
 
-@triton.jit
+@device
 def iterative_solve(family, x, x1, deficit, sizes, mask, alpha, iterations):
     """`window._solve`: the iterative family's T_k for the sizes of ``mask``'s rows."""
     if family == POWER:
@@ -386,7 +396,7 @@ MARGIN = tl.constexpr(_window.MARGIN)
 UNBOUNDED = tl.constexpr(_candidates.UNBOUNDED)
 
 
-@triton.jit
+@device
 def known_count(x, deficit, positions, K: tl.constexpr):
     """`candidates._known`: the number of positive entries as far as the K candidates tell
     (`candidates.UNBOUNDED` when all are positive and mass lies beyond them)."""
@@ -394,7 +404,7 @@ def known_count(x, deficit, positions, K: tl.constexpr):
     return tl.where(last, UNBOUNDED, tl.sum((x > 0).to(tl.int64), axis=0))
 
 
-@triton.jit
+@device
 def closed_search(family, x, log_x, deficit, lam, limit, positions, K: tl.constexpr):
     """`window.closed_search`: k* = the first k in 1 .. K - 1 with G(k) <= lambda or k = limit
     (limit = min(k_max, #positive entries)), else K (Theorem 3.3); whether k* ran into the end
@@ -410,7 +420,7 @@ def closed_search(family, x, log_x, deficit, lam, limit, positions, K: tl.conste
     return k, log_q, beyond
 
 
-@triton.jit
+@device
 def iterative_search(family, x, deficit, alpha, lam, limit, iterations, certify,
                      W: tl.constexpr):
     """`window.iterative_search`: T_k for every k = 1 .. W at once (``[W, W]``: row k - 1 is
@@ -448,7 +458,7 @@ def iterative_search(family, x, deficit, alpha, lam, limit, iterations, certify,
     return k, log_q, unsure, past
 
 
-@triton.jit
+@device
 def iterative_fixed(family, x, deficit, alpha, k, iterations, certify, positions,
                     K: tl.constexpr):
     """`window.iterative_fixed`: T_k for a fixed size k (generalized top-k, Definition 2.2) and,

@@ -1,0 +1,357 @@
+"""The search in Triton (`bregman_vllm.kernels.search`) and the step's search pass
+(`bregman_vllm.kernels.step`: the select kernel again at the search's width for the rows the
+window could not decode, then `_search_kernel`), against the torch functions each restates and
+the float64 torch step.
+
+Under Triton's interpreter (`tests/conftest.py`), CPU tensors, small shapes. Checked:
+
+* the pieces, against the torch functions they restate (`core.primal`, `core.dual`,
+  `core.gaps`, `core.numerics`, `core.maps`): the values every candidate gets at a scalar (the
+  four kinds), the entry terms, K_alpha over its regions, the maps of fixed sizes, the exact
+  gaps; and one row's search on its candidates against the independent reference
+  (`tests/reference_search.py`);
+* the step: every family including the general maps (primal alpha 10, 0.5, 1.05; dual alpha 4,
+  10, 1.2), rows past the window (k* in the hundreds at [4, 8192]; the wide width's limit),
+  rows held to k_max (300, the wide width), ties at the support's boundary, -inf entries, NaN
+  and inf rows, temperatures other than 1, a mixed batch and Model Runner V2's slot mapping:
+  the same k* as the float64 torch step and q within 2e-5; launches and host syncs counted
+  (at most 10 launches and no sync where every row fits the search's candidates).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from bregman_vllm.core import search
+from bregman_vllm.core.candidates import candidates
+from bregman_vllm.core.dual import dual_range, dual_values
+from bregman_vllm.core.families import Family
+from bregman_vllm.core.gaps import dual_log_gap, log_entry_term, primal_log_gap
+from bregman_vllm.core.maps import log_deficit, solved
+from bregman_vllm.core.numerics import bregman_alpha_kernel
+from bregman_vllm.core.primal import level_range, normalized, primal_values, support_mask, top_range
+from bregman_vllm.kernels import search as ks
+from bregman_vllm.kernels.formulas import DUAL_THREE, DUAL_THREE_HALVES, at
+
+from . import reference_search as rs
+
+F64 = torch.float64
+#: The general maps (every family the window has no formula for) and the quadratic duals.
+GENERAL = [("primal", 10.0), ("primal", 0.5), ("primal", 1.05), ("dual", 4.0), ("dual", 10.0),
+           ("dual", 1.2)]
+QUADRATIC = {1.5: int(DUAL_THREE_HALVES), 3.0: int(DUAL_THREE)}
+
+
+def _candidates(rows: int, width: int, vocab: int, seed: int, flat: bool = False):
+    """Sorted float64 candidates of softmax rows: peaked (scales 2 to 6) or flat (0.3)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = 0.3 if flat else 2.0 + 4.0 * torch.rand(rows, 1, generator=g, dtype=F64)
+    logits = torch.randn(rows, vocab, generator=g, dtype=F64) * scale
+    return logits, candidates(torch.softmax(logits, -1), width)
+
+
+def _closed(mode: str, alpha: float) -> int:
+    return QUADRATIC.get(alpha, 0) if mode == "dual" else 0
+
+
+def _kind(mode: str, alpha: float) -> int:
+    return 0 if mode == "dual" else (1 if alpha > 1.0 else 2)
+
+
+def _row_args(mode: str, alpha: float, n: int) -> dict:
+    return {"alpha_ptr": torch.full((n,), alpha, dtype=F64),
+            "kind_ptr": torch.full((n,), _kind(mode, alpha), dtype=torch.int32),
+            "closed_ptr": torch.full((n,), _closed(mode, alpha), dtype=torch.int32)}
+
+
+# ----------------------------------------------------------------------------- values
+
+
+@triton.jit
+def _values_kernel(log_x_ptr, alpha_ptr, kind_ptr, closed_ptr, s_ptr, log_q_ptr, rate_ptr,
+                   lift_ptr, exact_ptr, steps, C: tl.constexpr):
+    row = tl.program_id(0)
+    positions = tl.arange(0, C)
+    log_x = tl.load(log_x_ptr + row * C + positions)
+    finite = ks.isfinite64(log_x)
+    lp = tl.where(finite, log_x, 0.0)
+    beta = tl.load(alpha_ptr + row) - 1.0
+    kind = tl.load(kind_ptr + row)
+    s = tl.load(s_ptr + row)
+    if kind == 0:
+        log_q, rate, lift, _z, exact = ks.dual_values(
+            tl.load(closed_ptr + row), lp, finite, beta, s,
+            tl.full([C], float("nan"), tl.float64), steps, positions < C)
+    else:
+        log_q, rate, lift = ks.primal_values(lp, finite, beta, s, kind == 1,
+                                             at(lp, positions, 0))
+        exact = steps >= 0
+    tl.store(log_q_ptr + row * C + positions, log_q)
+    tl.store(rate_ptr + row * C + positions, rate)
+    tl.store(lift_ptr + row * C + positions, lift)
+    tl.store(exact_ptr + row, exact)
+
+
+@pytest.mark.parametrize(("mode", "alpha"), [*GENERAL, ("dual", 1.5), ("dual", 3.0)])
+def test_values_at_a_scalar(mode, alpha):
+    """Every candidate's value at a trial scalar (the four kinds: the water level, log delta,
+    log nu with Newton steps on the inner roots, log nu with the quadratic formulas), its rate
+    and log(q / p), as `primal.primal_values` / `dual.dual_values`; zero entries (-inf) too."""
+    width, n = 64, 3
+    _, cand = _candidates(n, width, 512, seed=1)
+    log_x = cand.log_x.clone()
+    log_x[0, -5:] = -math.inf
+    finite = torch.isfinite(log_x)
+    lp = torch.where(finite, log_x, 0.0)
+    beta = torch.full((n, 1), alpha - 1.0, dtype=F64)
+    size = torch.tensor([3, 10, 40])
+    log_r = torch.log(cand.deficit.gather(1, (size - 1).unsqueeze(-1)).squeeze(-1))
+    kind = _kind(mode, alpha)
+    if kind == 1:
+        s = level_range(lp[:, 0], beta[:, 0], log_r, size)[1]
+    elif kind == 2:
+        s = top_range(lp[:, 0], log_r)[1]
+    else:
+        s = dual_range(lp, finite, beta, log_r, size)[1]
+    closed = {1.5: Family.DUAL_THREE_HALVES, 3.0: Family.DUAL_THREE}.get(alpha)
+    if kind:
+        want = primal_values(lp, finite, beta, s, kind == 1)
+        exact_want = torch.ones(n, dtype=torch.bool)
+    else:
+        want, exact_want = dual_values(lp, finite, beta, s, None, closed, 30)
+    out = [torch.empty(n, width, dtype=F64) for _ in range(3)]
+    exact = torch.empty(n, dtype=torch.bool)
+    _values_kernel[(n,)](log_x, s_ptr=s.contiguous(), log_q_ptr=out[0], rate_ptr=out[1],
+                         lift_ptr=out[2], exact_ptr=exact, steps=30, C=width,
+                         **_row_args(mode, alpha, n))
+    for got, expected in zip(out, (want.log_q, want.rate, want.lift), strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-13)
+    assert torch.equal(exact, exact_want) and bool(exact.all())
+
+
+# ----------------------------------------------------------------------------- entry terms, K
+
+
+@triton.jit
+def _terms_kernel(log_p_ptr, log_q_ptr, out_ptr, alpha_ptr, dual, N: tl.constexpr):
+    where = tl.arange(0, N)
+    out = ks.log_entry_term(dual, tl.load(log_p_ptr + where), tl.load(log_q_ptr + where),
+                            tl.load(alpha_ptr))
+    tl.store(out_ptr + where, out)
+
+
+@pytest.mark.parametrize(("mode", "alpha"), GENERAL)
+def test_entry_terms(mode, alpha):
+    """log w(p, q), the term of an entry in the gaps and in their weak-duality bounds
+    (`gaps.log_entry_term`), over q from p to 1e4 p, and zero entries."""
+    g = torch.Generator().manual_seed(2)
+    log_p = torch.log(torch.rand(256, generator=g, dtype=F64)) * 10.0
+    log_p[:8] = -math.inf
+    log_q = log_p.clamp_min(-30.0) + torch.rand(256, generator=g, dtype=F64) * 9.0
+    log_q = torch.minimum(log_q, torch.zeros(()))
+    out = torch.empty(256, dtype=F64)
+    _terms_kernel[(1,)](log_p, log_q, out, torch.tensor([alpha], dtype=F64), int(mode == "dual"),
+                        N=256)
+    want = log_entry_term(mode, log_p, log_q, torch.tensor(alpha, dtype=F64))
+    torch.testing.assert_close(out, want, rtol=1e-13, atol=1e-13)
+
+
+@triton.jit
+def _kernel_kernel(alpha_ptr, rho_ptr, out_ptr, N: tl.constexpr):
+    where = tl.arange(0, N)
+    tl.store(out_ptr + where, ks.alpha_kernel(tl.load(alpha_ptr + where),
+                                              tl.load(rho_ptr + where)))
+
+
+def test_the_alpha_kernel_over_its_regions():
+    """log K_alpha(rho) (`numerics.bregman_alpha_kernel`): the series, the forms next to alpha
+    = 1, the expm1 form and the shifted logarithm, rho = +-inf."""
+    alphas = torch.tensor([0.5, 0.9, 1.0, 1.05, 1.2, 2.0, 3.0, 10.0, 1000.0, -2.0], dtype=F64)
+    rhos = torch.tensor([1e-12, 1e-6, 1e-3, 0.1, 0.3, 2.0, 30.0, 45.0, 300.0, -0.2, -5.0,
+                         -math.inf, math.inf], dtype=F64)
+    a, r = (t.reshape(-1) for t in torch.meshgrid(alphas, rhos, indexing="ij"))
+    size = triton.next_power_of_2(a.numel())
+    a = torch.nn.functional.pad(a, (0, size - a.numel()), value=2.0)
+    r = torch.nn.functional.pad(r, (0, size - r.numel()), value=1.0)
+    out = torch.empty(size, dtype=F64)
+    _kernel_kernel[(1,)](a, r, out, N=size)
+    want = bregman_alpha_kernel(a, r)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-14, equal_nan=True)
+
+
+# ----------------------------------------------------------------------------- maps, gaps
+
+
+@triton.jit
+def _map_kernel(log_x_ptr, deficit_ptr, alpha_ptr, kind_ptr, closed_ptr, k_ptr, s_ptr,
+                log_q_ptr, lift_ptr, C: tl.constexpr):
+    row = tl.program_id(0)
+    positions = tl.arange(0, C)
+    log_x = tl.load(log_x_ptr + row * C + positions)
+    finite = ks.isfinite64(log_x)
+    k = tl.load(k_ptr + row)
+    nan = tl.full((), float("nan"), tl.float64)
+    s, log_q, lift, _z = ks.solve_map(
+        tl.load(kind_ptr + row), tl.load(closed_ptr + row), log_x, tl.where(finite, log_x, 0.0),
+        finite, tl.load(alpha_ptr + row), tl.load(deficit_ptr + row * C + positions), k, nan,
+        tl.full([C], float("nan"), tl.float64), positions, C)
+    tl.store(s_ptr + row, s)
+    tl.store(log_q_ptr + row * C + positions, ks.normalized(log_q, positions < k))
+    tl.store(lift_ptr + row * C + positions, lift)
+
+
+def _maps(mode, alpha, cand, k):
+    n, width = cand.x.shape
+    s = torch.empty(n, dtype=F64)
+    log_q, lift = torch.empty(n, width, dtype=F64), torch.empty(n, width, dtype=F64)
+    _map_kernel[(n,)](cand.log_x, cand.deficit, k_ptr=k, s_ptr=s, log_q_ptr=log_q,
+                      lift_ptr=lift, C=width, **_row_args(mode, alpha, n))
+    return s, log_q, lift
+
+
+@pytest.mark.parametrize(("mode", "alpha"), [*GENERAL, ("dual", 1.5), ("dual", 3.0)])
+def test_maps_of_fixed_sizes(mode, alpha):
+    """The map of a fixed support by Newton on its scalar (`maps.solved`): its scalar, log q on
+    the support (normalized) and log(q / p) of every candidate, for supports of 1 to 63
+    entries, one holding all the mass (the identity)."""
+    _, cand = _candidates(4, 64, 64, seed=3)
+    k = torch.tensor([1, 7, 63, 64])
+    family = {1.5: Family.DUAL_THREE_HALVES, 3.0: Family.DUAL_THREE}.get(alpha) \
+        if mode == "dual" else None
+    s, log_q, lift = _maps(mode, alpha, cand, k)
+    want = solved(family, mode, cand.log_x, k, torch.full((4,), alpha, dtype=F64),
+                  log_deficit(cand, k))
+    mask = support_mask(k, 64)
+    torch.testing.assert_close(log_q, normalized(want.log_q, mask), rtol=1e-11, atol=1e-12)
+    torch.testing.assert_close(s[:3], want.s[:3], rtol=1e-10, atol=1e-12)
+    assert s[3] == -math.inf  # (no mass outside: the identity)
+    near = torch.arange(64) <= k.unsqueeze(-1)  # (the support and the next entry)
+    torch.testing.assert_close(lift[near], want.lift[near], rtol=1e-9, atol=1e-12)
+
+
+@triton.jit
+def _gap_kernel(log_x_ptr, deficit_ptr, alpha_ptr, kind_ptr, closed_ptr, m_ptr, out_ptr,
+                decided_ptr, log_lam_ptr, dual, C: tl.constexpr):
+    row = tl.program_id(0)
+    positions = tl.arange(0, C)
+    log_x = tl.load(log_x_ptr + row * C + positions)
+    finite = ks.isfinite64(log_x)
+    lp = tl.where(finite, log_x, 0.0)
+    deficit = tl.load(deficit_ptr + row * C + positions)
+    alpha = tl.load(alpha_ptr + row)
+    kind = tl.load(kind_ptr + row)
+    closed = tl.load(closed_ptr + row)
+    m = tl.load(m_ptr + row)
+    nan = tl.full((), float("nan"), tl.float64)
+    none = tl.full([C], float("nan"), tl.float64)
+    _s, log_q, lift, _z = ks.solve_map(kind, closed, log_x, lp, finite, alpha, deficit, m, nan,
+                                       none, positions, C)
+    _s, log_q1, lift1, _z = ks.solve_map(kind, closed, log_x, lp, finite, alpha, deficit, m + 1,
+                                         nan, none, positions, C)
+    lq = ks.normalized(log_q, positions < m)
+    lq1 = ks.normalized(log_q1, positions < m + 1)
+    if dual:
+        value = ks.dual_log_gap(log_x, lq, lq1, m, alpha, lift - lift1, positions)
+    else:
+        value = ks.primal_log_gap(lq, lq1, m, alpha, lift - lift1, positions)
+    tl.store(out_ptr + row, value)
+    for j in range(3):  # (three lambdas)
+        tl.store(decided_ptr + row * 3 + j, ks.decide_gap(
+            dual, log_x, alpha, tl.load(log_lam_ptr + j), m, log_q, lift, log_q1, lift1,
+            positions))
+
+
+@pytest.mark.parametrize(("mode", "alpha"), [*GENERAL, ("dual", 1.5), ("dual", 3.0)])
+def test_exact_gaps(mode, alpha):
+    """log G(m) from the maps of sizes m and m + 1 (`gaps.primal_log_gap`,
+    `gaps.dual_log_gap`, the ratios exact from the multipliers), and the decision of one gap
+    against lambda by the maps' own bounds first (`gaps.consecutive_gaps`): the same side of
+    log lambda."""
+    _, cand = _candidates(4, 64, 4096, seed=4)
+    m = torch.tensor([1, 5, 20, 62])
+    n = 4
+    a = torch.full((n,), alpha, dtype=F64)
+    family = {1.5: Family.DUAL_THREE_HALVES, 3.0: Family.DUAL_THREE}.get(alpha) \
+        if mode == "dual" else None
+    sizes = torch.stack([m, m + 1], -1)
+    found = solved(family, mode, cand.log_x.repeat_interleave(2, 0), sizes.reshape(-1),
+                   a.repeat_interleave(2), log_deficit(cand, sizes).reshape(-1))
+    maps = normalized(found.log_q, support_mask(sizes.reshape(-1), 64)).reshape(n, 2, 64)
+    lift = found.lift.reshape(n, 2, 64)
+    rho = lift[:, 0] - lift[:, 1]
+    if mode == "primal":
+        want = primal_log_gap(maps[:, 0], maps[:, 1], m, a, rho)
+    else:
+        want = dual_log_gap(cand.log_x, maps[:, 0], maps[:, 1], m, a, rho)
+    out, decided = torch.empty(n, dtype=F64), torch.empty(n, 3, dtype=F64)
+    middle = float(want.sort().values[1:3].mean())  # (between two gaps)
+    log_lam = torch.tensor([float(want.min()) - 1.0, middle, float(want.max()) + 1.0], dtype=F64)
+    _gap_kernel[(n,)](cand.log_x, cand.deficit, m_ptr=m, out_ptr=out, decided_ptr=decided,
+                      log_lam_ptr=log_lam, dual=int(mode == "dual"), C=64,
+                      **_row_args(mode, alpha, n))
+    torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-12)
+    assert torch.equal(decided > log_lam, want.unsqueeze(-1) > log_lam)
+
+
+# ----------------------------------------------------------------------------- one row
+
+
+@triton.jit
+def _row_kernel(x_ptr, log_x_ptr, deficit_ptr, alpha_ptr, kind_ptr, closed_ptr, lam_ptr, dual,
+                limit_ptr, k_ptr, log_q_ptr, done_ptr, C: tl.constexpr):
+    row = tl.program_id(0)
+    positions = tl.arange(0, C)
+    where = row * C + positions
+    limit = tl.load(limit_ptr + row)
+    k, log_q, done = ks.search_row(dual != 0, tl.load(closed_ptr + row), tl.load(alpha_ptr + row),
+                                   tl.load(lam_ptr), tl.load(x_ptr + where),
+                                   tl.load(log_x_ptr + where),
+                                   tl.load(deficit_ptr + where), limit * 0 + 1, limit,
+                                   positions, C)
+    tl.store(k_ptr + row, k)
+    tl.store(log_q_ptr + where, log_q)
+    tl.store(done_ptr + row, done)
+
+
+@pytest.mark.parametrize(("mode", "alpha", "lam"),
+                         [("primal", 10.0, 1e-3), ("primal", 0.5, 1e-2), ("primal", 1.05, 1e-3),
+                          ("dual", 4.0, 1e-3), ("dual", 10.0, 1e-3), ("dual", 1.2, 1e-3),
+                          ("dual", 1.5, 1e-4), ("dual", 3.0, 1e-5), ("primal", 3.0, 1e-6)])
+def test_one_rows_search_against_the_reference(mode, alpha, lam):
+    """`search.search_row` on 256 candidates of [3, 4096] rows (flat and peaked): k* and log T_k*
+    as the independent reference decodes the whole row (its own maps, Algorithm 2's binary
+    search); a row whose k* passes the candidates says so, with a lower bound."""
+    logits, cand = _candidates(3, 256, 4096, seed=5, flat=False)
+    logits[0] *= 0.1  # (a flat row: k* past the candidates for the longest-tailed families)
+    cand = candidates(torch.softmax(logits, -1), 256)
+    n = 3
+    k, done = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.bool)
+    log_q = torch.empty(n, 256, dtype=F64)
+    _row_kernel[(n,)](cand.x, cand.log_x, cand.deficit, lam_ptr=torch.tensor([lam], dtype=F64),
+                      dual=int(mode == "dual"),
+                      limit_ptr=cand.known, k_ptr=k, log_q_ptr=log_q, done_ptr=done, C=256,
+                      **_row_args(mode, alpha, n))
+    want = rs.decode(torch.log_softmax(logits, -1).numpy(), alpha, lam, mode)
+    assert torch.equal(done, torch.from_numpy(want.k < 256)), (k, want.k)
+    assert torch.equal(k[done], torch.from_numpy(want.k)[done])
+    assert bool((k[~done] >= 255).all())
+    for row in done.nonzero().flatten().tolist():
+        size = int(k[row])
+        q = log_q[row, :size].exp().numpy()
+        expected = np.exp(want.log_q[row][cand.index[row, :size].numpy()])
+        np.testing.assert_allclose(q, expected, rtol=0, atol=1e-12)
+
+
+def test_the_constants_are_the_torch_searchs():
+    """The kernels' search runs with the torch search's constants."""
+    assert (ks.PROBES, ks.PROBE_STEPS, ks.STRADDLE, ks.SETTLE) == \
+        (search.PROBES, search.PROBE_STEPS, search.STRADDLE, search.SETTLE)
+    assert getattr(search, "STEER", ks.STEER) == ks.STEER
+    assert search._SUM_ROUNDING == ks.SUM_ROUNDING
+    assert search._TERM_ROUNDING == ks.TERM_ROUNDING
