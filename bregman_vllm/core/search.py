@@ -50,7 +50,7 @@ from typing import NamedTuple
 import torch
 
 from .candidates import UNBOUNDED, Candidates, candidates, take
-from .dual import dual_range, dual_values
+from .dual import INNER_STEPS, dual_range, dual_values
 from .families import CLOSED_GAP_FAMILIES, QUADRATIC_DUAL_FAMILIES, Family
 from .gaps import consecutive_gaps, log_entry_term
 from .generators import BregmanGenerator
@@ -77,8 +77,12 @@ _BYTES_PER_ENTRY = 400
 #: Newton steps of its inner equations per probe.
 PROBES = 40
 PROBE_STEPS = 2
-#: |D| at which the probes' Newton steps aim, on alternating sides of the root (`_probe`).
+#: |D| at which the probes' Newton steps aim, on alternating sides of the root (`_probe`), and
+#: below which the dual's probes solve their inner equations (above it they only steer).
 STRADDLE = 1e-6
+STEER = 0.1
+#: Probes that only steer, at most.
+STEERING = 3
 #: Sizes the exact gaps decide at once (`_settle`); a wider bracket is halved first.
 SETTLE = 4
 #: Rounding bound of a sum of n positive float64 terms, per term (recursive summation).
@@ -113,16 +117,17 @@ class _Rows(NamedTuple):
 
 
 def _values(kind: int, family: Family | None, rows: _Rows, s: Tensor,
-            start: Tensor | None) -> tuple[Multiplier, Tensor]:
+            start: Tensor | None, steps: int) -> tuple[Multiplier, Tensor]:
     """Every candidate's value at the scalar s (`roots.Multiplier`; rate: d log q / d s) and
-    which rows have them exact: the dual's inner roots get `PROBE_STEPS` Newton steps from the
-    last probe's (their errors shrink as the probes close in, as in a joint Newton)."""
+    which rows have them exact: the dual's inner roots get ``steps`` Newton steps from the last
+    probe's (their errors shrink as the probes close in, as in a joint Newton; none: the
+    primal-shaped approximation, `dual._shaped_inner`, which only steers)."""
     beta = rows.alpha - 1.0
     if kind:
         values = primal_values(rows.lp, rows.finite, beta, s, kind == 1)
         return values, torch.ones_like(s, dtype=torch.bool)
     closed = family if family in QUADRATIC_DUAL_FAMILIES else None
-    return dual_values(rows.lp, rows.finite, beta, s, start, closed, PROBE_STEPS)
+    return dual_values(rows.lp, rows.finite, beta, s, start, closed, steps)
 
 
 def _ends(kind: int, rows: _Rows, size: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -163,12 +168,12 @@ class _Probe(NamedTuple):
 
 
 def _probe(mode: str, kind: int, family: Family | None, rows: _Rows, s: Tensor,
-           start: Tensor | None) -> _Probe:
+           start: Tensor | None, steps: int = PROBE_STEPS) -> _Probe:
     """One probe at s (module docstring, step 3): every candidate's value, the sizes whose
     scalars lie above s (n) and the entries whose terms exceed lambda (c), each counted only
     where rounding cannot have decided it."""
     width = rows.p.shape[-1]
-    values, exact = _values(kind, family, rows, s, start)
+    values, exact = _values(kind, family, rows, s, start, steps)
     q = torch.exp(values.log_q)
     # sum_(i<=k) q_i - p_i against R_k: both sums of positive terms (`primal._added`).
     added = torch.where(rows.finite, rows.p * torch.expm1(values.lift), q).cumsum(-1)
@@ -255,38 +260,50 @@ def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tenso
     nan = torch.full_like(s, math.nan)
     walk = _Walk(torch.arange(n, device=low.device), s, s_low, s_high, nan, nan,
                  torch.zeros_like(low, dtype=torch.bool), torch.zeros_like(low))
-    sub, start = rows, None
-    for _ in range(PROBES):
-        found = _probe(mode, kind, family, sub, walk.s, start)
+    sub, start, steps = rows, None, 0  # (the first probes of the dual only steer: `_values`)
+    for probe in range(PROBES):
+        found = _probe(mode, kind, family, sub, walk.s, start, steps)
         i, s = walk.index, walk.s
         lo, hi = torch.maximum(low[i], found.low), torch.minimum(high[i], found.high)
         narrowed = (lo > low[i]) | (hi < high[i])
         low[i], high[i], last[i] = lo, hi, s
         if state is not None and found.values.state is not None:
             state[i, : sub.p.shape[-1]] = found.values.state
-        above = found.residual > 0  # D increases with s
-        # (Illinois: an end kept twice in a row counts half, so regula falsi cannot stall)
+        # D increases with s; only exact values move the bracket of s (steering ones may put
+        # D's root elsewhere). (Illinois: an end kept twice in a row counts half, so regula
+        # falsi cannot stall.)
+        above, below = (found.residual > 0) & found.exact, (found.residual <= 0) & found.exact
         d_low = torch.where(above & walk.above, 0.5 * walk.d_low, walk.d_low)
-        d_high = torch.where(~above & ~walk.above, 0.5 * walk.d_high, walk.d_high)
+        d_high = torch.where(below & ~walk.above, 0.5 * walk.d_high, walk.d_high)
         s_high, d_high = torch.where(above, s, walk.s_high), torch.where(above, found.residual,
                                                                          d_high)
-        s_low, d_low = torch.where(above, walk.s_low, s), torch.where(above, d_low,
-                                                                      found.residual)
+        s_low, d_low = torch.where(below, s, walk.s_low), torch.where(below, found.residual,
+                                                                      d_low)
+        above = torch.where(found.exact, above, walk.above)
         proposal = s + found.step
         inside = (proposal > s_low) & (proposal < s_high)  # (False for NaN and +-inf too)
         # Else regula falsi between the bracket's ends (bisection while one has no D).
         share = torch.nan_to_num((d_low / (d_low - d_high)).clamp(0.05, 0.95), nan=0.5)
         stale = torch.where(narrowed | ~found.exact, 0, walk.stale + 1)
-        walk = _Walk(i, torch.where(inside, proposal, s_low + share * (s_high - s_low)), s_low,
-                     s_high, d_low, d_high, above, stale)
+        # (a steering probe with no step in the bracket probes again where it is, exactly)
+        fallback = torch.where(found.exact, s_low + share * (s_high - s_low), s)
+        walk = _Walk(i, torch.where(inside, proposal, fallback), s_low, s_high, d_low, d_high,
+                     above, stale)
         go = (hi - lo > 1) & (narrowed | ((hi - lo > SETTLE) & (stale < 3))) \
             & (s_high - s_low > 1e-14 * (1.0 + s.abs())) & ((hi <= width) | (lo < width - 1))
         keep = go.nonzero().squeeze(-1)
         if keep.numel() == 0:
             break
         start = _warm(kind, found.values, s, walk.s)
-        # Columns past every bracket's end play no part in the next probes.
-        columns = min(sub.p.shape[-1], int(hi[keep].max()) + 2)
+        # Columns past every bracket's end play no part in the next probes. (one host read)
+        widest, far = torch.stack([hi[keep].max().to(s.dtype),
+                                   found.residual[keep].abs().max()]).tolist()
+        columns = min(sub.p.shape[-1], int(widest) + 2)
+        # (the first probe that solves them goes on until they are exact, from the shaped ones,
+        # with the bracket of s reset: the shaped values' D is not the exact one's)
+        solve = far < STEER or probe + 1 >= STEERING  # (steering ends near the root, or soon)
+        # (the first probe that solves them goes on until they are exact, from the shaped ones)
+        steps = PROBE_STEPS if steps else (INNER_STEPS if solve else 0)
         if keep.numel() < go.numel() or columns < sub.p.shape[-1]:
             walk = walk.take(keep)
             sub = _Rows(*(t[keep, :columns] if t.dim() == 2 and t.shape[-1] > 1 else t[keep]
