@@ -178,6 +178,24 @@ def test_the_search_finds_the_references_k_star_on_random_rows(seed):
         assert (q[~big] < 1e-29).all(), label
 
 
+@pytest.mark.parametrize("mode", ["primal", "dual"])
+def test_a_capped_row_beside_an_uncapped_one_stops_at_its_cap(mode):
+    """Rows of one family, one held to k_max = 100 where its k* is in the hundreds, one not
+    (a server's batch): the probes bound k* without the cap, and the capped row's k* is
+    min(k*, k_max) (Theorem 3.3), as the reference's (it once came out at 102)."""
+    logits = _rows("flat", 3, 4096, 0) * (1.0 / 0.3)
+    caps = torch.tensor([0, 100, 30])
+    out, k = bregman_decode_logits(logits, alpha=3.0, lam=1e-9, mode=mode, k_max=caps,
+                                   return_k=True)
+    for row, cap in enumerate(caps.tolist()):
+        want = rs.decode_logits(logits[row:row + 1].double().numpy(), 3.0, 1e-9, mode,
+                                k_max=cap or None)
+        assert int(k[row]) == int(want.k[0]), (row, k.tolist(), want.k)
+        np.testing.assert_allclose(torch.softmax(out[row].double(), -1).numpy(), want.q[0],
+                                   rtol=2e-5, atol=1e-12)
+    assert k.tolist()[1:] == [100, 30] and int(k[0]) > 100
+
+
 def test_a_user_generator_takes_the_exact_gaps_past_the_first_round():
     """A user generator has no multiplier: Algorithm 2's binary search on exact gaps of its
     generic maps, round after round (k* past the first 64 candidates): the same k* and maps

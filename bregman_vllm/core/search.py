@@ -264,7 +264,9 @@ def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tenso
     for probe in range(PROBES):
         found = _probe(mode, kind, family, sub, walk.s, start, steps)
         i, s = walk.index, walk.s
-        lo, hi = torch.maximum(low[i], found.low), torch.minimum(high[i], found.high)
+        # (the counts bound k* without the cap; a capped row's k* is min(k*, cap), Theorem 3.3)
+        hi = torch.minimum(high[i], found.high)
+        lo = torch.minimum(torch.maximum(low[i], found.low), hi)
         narrowed = (lo > low[i]) | (hi < high[i])
         low[i], high[i], last[i] = lo, hi, s
         if state is not None and found.values.state is not None:
