@@ -26,15 +26,17 @@ mode           int8     1 + the index of the row's mode in ``engine_metrics.MODE
 
 Host-only columns decide, per step and without a sync, what the step is specialized on: the
 candidate width (``width``: 64, or 256 for the closed-form families at small lambda and fixed
-sizes above 64, `families.window_width`) and whether some row may need the search (``flags``:
+sizes above 64, `families.window_width`), whether some row may need the search (``flags``:
 the window may hand it over, `families.may_flag`; or the route column says only the search
-decodes it, `families.route`).
+decodes it, `families.route`) and how many candidates the search needs to decide it
+(``reach``: the fixed size, or min(k_max, `support_bound` + 1)).
 
 Imports only torch and numpy (the kernels, `bregman_vllm.kernels`, import Triton).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,7 +73,29 @@ COLUMNS: tuple[tuple[str, torch.dtype], ...] = (
     ("scale", torch.float32), ("temperature", torch.float32), ("mode", torch.int8))
 #: Host-only columns: the candidate width a row needs, whether the window may hand it to the
 #: search.
-_HOST = (("width", np.int32), ("flags", np.bool_))
+_HOST = (("width", np.int32), ("flags", np.bool_), ("reach", np.int64))
+
+
+def support_bound(mode: str, alpha: float, lam: float) -> int:
+    """An upper bound on k* from the parameters alone (adaptive rows; `UNBOUNDED` where none is
+    known): G(k - 1) <= w(p_k, s_(k-1)) by weak duality (`gaps.log_entry_term`), and at the
+    scalar of T_(k-1) the entry p_k gets at most what each of the k - 1 entries of the support
+    gets (q is increasing in p at a fixed scalar, eqs. (4) and (5)), so q_k <= 1 / (k - 1) and
+    G(k - 1) <= M (k - 1)^(-alpha) / alpha, with M = 1 (primal: w = q^alpha / alpha) or
+    max(beta, 1 / beta) (dual: w = q^beta [beta^2 (q - p) + p] / (alpha beta), beta = alpha -
+    1, 0 <= p <= q). k* - 1 has G(k* - 1) > lambda, hence k* - 1 < (M / (lambda alpha))^(1 /
+    alpha). (A stand-in for the lead's `families.support_bound`.)"""
+    if not (lam > 0.0 and math.isfinite(alpha) and alpha > 0.0):
+        return UNBOUNDED
+    scale = 0.0
+    if mode == "dual":
+        if alpha <= 1.0:
+            return UNBOUNDED
+        scale = abs(math.log(alpha - 1.0))
+    log_bound = (scale - math.log(lam) - math.log(alpha)) / alpha
+    if log_bound > 60.0 * math.log(2.0):
+        return UNBOUNDED
+    return math.floor(math.exp(log_bound) * (1.0 + 1e-9)) + 1
 
 
 @dataclass(frozen=True)
@@ -87,6 +111,7 @@ class Row:
     route: Route
     width: int
     flags: bool
+    reach: int = 0  # the candidates the search needs to decide the row (module docstring)
 
     @classmethod
     def of(cls, family: Family, fixed: bool, alpha: float, lam: float, size: int, mode: str
@@ -98,7 +123,10 @@ class Row:
             return cls(family, fixed, size, alpha, lam, mode, way, 0, False)
         width = window_width(family, lam, fixed, size)
         flags = way == Route.WINDOW and may_flag(family, fixed, size, width)
-        return cls(family, fixed, size, alpha, lam, mode, way, width_class(width), flags)
+        # (k* <= bound: the search decides it on bound + 1 candidates, `search._sizes`)
+        reach = size if fixed else min(size, support_bound(mode, alpha, lam) + 1)
+        return cls(family, fixed, size, alpha, lam, mode, way, width_class(width), flags,
+                   min(reach, UNBOUNDED))
 
     @classmethod
     def of_request(cls, params: BregmanParams, vocab: int) -> Row:
@@ -150,14 +178,14 @@ class RowTable:
         columns = self.host
         if row is None:
             columns["family"][slot] = 0
-            for name in ("route", "mode", "width", "flags"):
+            for name in ("route", "mode", "width", "flags", "reach"):
                 columns[name][slot] = 0
         else:
             values = {"family": FAMILY_CODES[row.family], "route": ROUTE_CODES[row.route],
                       "fixed": int(row.fixed), "size": row.size, "alpha": row.alpha,
                       "lam": row.lam, "iterations": row.iterations,
                       "mode": MODES.index(row.mode) + 1, "width": row.width,
-                      "flags": row.flags}
+                      "flags": row.flags, "reach": row.reach}
             for name, value in values.items():
                 columns[name][slot] = value
         columns["scale"][slot] = 1.0 / temperature
@@ -189,9 +217,10 @@ class RowTable:
         if family.any():
             width = int(host["width"][pick].max())
             scaled = self.scaled or bool((host["temperature"][pick][family > 0] != 1.0).any())
-            sync = bool(host["flags"][pick].any()
-                        or (host["route"][pick] == ROUTE_CODES[Route.SEARCH]).any())
-            layout = Layout(width_class(width), sync, scaled)
+            searched = host["flags"][pick] | (host["route"][pick] == ROUTE_CODES[Route.SEARCH])
+            sync = bool(searched.any())
+            reach = int(host["reach"][pick][searched].max()) if sync else 0
+            layout = Layout(width_class(width), sync, scaled, reach)
         self._layout = (key, layout)
         return layout
 
@@ -221,6 +250,8 @@ class Layout:
     """What one step is specialized on (host values, `RowTable.layout`)."""
 
     width: int  # candidates per row: `families.WINDOW` or `families.WIDE_WINDOW`
-    sync: bool  # some row may need the exact path: the step reads ``needs`` once
+    sync: bool  # some row may need the search (the kernels' search pass; the host's exact
+    #             path only for rows it cannot decide on its candidates: ``reach``)
     scaled: bool  # some row has a temperature other than 1
+    reach: int = 0  # the most candidates a row that may need the search needs (`Row.reach`)
 

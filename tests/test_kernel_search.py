@@ -21,13 +21,18 @@ Under Triton's interpreter (`tests/conftest.py`), CPU tensors, small shapes. Che
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import triton
 import triton.language as tl
+from torch.utils._python_dispatch import _disable_current_modes
+from vllm import SamplingParams
 
+from bregman_vllm.adapter.processor import BregmanLogitsProcessor
+from bregman_vllm.backend import decode as decode_step
 from bregman_vllm.core import search
 from bregman_vllm.core.candidates import candidates
 from bregman_vllm.core.dual import dual_range, dual_values
@@ -36,10 +41,13 @@ from bregman_vllm.core.gaps import dual_log_gap, log_entry_term, primal_log_gap
 from bregman_vllm.core.maps import log_deficit, solved
 from bregman_vllm.core.numerics import bregman_alpha_kernel
 from bregman_vllm.core.primal import level_range, normalized, primal_values, support_mask, top_range
+from bregman_vllm.diagnostics import DispatchCounter
 from bregman_vllm.kernels import search as ks
+from bregman_vllm.kernels import step as kernel_step
 from bregman_vllm.kernels.formulas import DUAL_THREE, DUAL_THREE_HALVES, at
 
 from . import reference_search as rs
+from .test_kernels import NARROW, WIDE, _context, model_logits, plan_of, probabilities
 
 F64 = torch.float64
 #: The general maps (every family the window has no formula for) and the quadratic duals.
@@ -355,3 +363,250 @@ def test_the_constants_are_the_torch_searchs():
     assert getattr(search, "STEER", ks.STEER) == ks.STEER
     assert search._SUM_ROUNDING == ks.SUM_ROUNDING
     assert search._TERM_ROUNDING == ks.TERM_ROUNDING
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The step's kernel launches (`kernels.step._launch`, run outside the dispatch counter:
+    under the interpreter a launch is torch ops on CPU tensors) and its host hand-offs (the
+    step's one sync: on CPU tensors the read of the flags is no op the counter sees)."""
+    seen = {"launches": 0, "hand_offs": 0}
+    launch, hand_off = kernel_step._launch, kernel_step.hand_off
+
+    def counted_launch(kernel, grid, *args, **meta):
+        seen["launches"] += 1
+        with _disable_current_modes():
+            launch(kernel, grid, *args, **meta)
+
+    def counted_hand_off(*args, **kwargs):
+        seen["hand_offs"] += 1
+        with _disable_current_modes():
+            return hand_off(*args, **kwargs)
+
+    monkeypatch.setattr(kernel_step, "_launch", counted_launch)
+    monkeypatch.setattr(kernel_step, "hand_off", counted_hand_off)
+    monkeypatch.setenv("BREGMAN_BACKEND", "triton")
+    return seen
+
+
+def _step(scores, configs, temperatures=None, logits=True, counted=None, syncs=None):
+    """One step of the kernels and of the float64 torch step on the same scores: the same k*,
+    q within 2e-5, the same supports, plain rows untouched; with ``counted``, the step's
+    launches (at most 10) and host hand-offs (``syncs``) and no torch op that syncs."""
+    vocab = scores.shape[-1]
+    plan = plan_of(configs, vocab, temperatures)
+    if counted is not None:
+        decode_step(scores.clone(), plan, logits=logits, backend="triton")  # (its table, once)
+        counted.update(launches=0, hand_offs=0)
+    with DispatchCounter() as counter:
+        got = decode_step(scores.clone(), plan, logits=logits, backend="triton")
+    want = decode_step(scores.double(), plan_of(configs, vocab, temperatures), logits=logits,
+                       backend="torch")
+    names = [str(config) for config in configs]
+    assert torch.equal(got.k, want.k), [(n, a, b) for n, a, b in
+                                        zip(names, got.k.tolist(), want.k.tolist(), strict=True)
+                                        if a != b]
+    q, q_want = (probabilities(t, logits, temperatures) for t in (got.out, want.out))
+    torch.testing.assert_close(q, q_want, rtol=0, atol=2e-5, equal_nan=True)
+    assert torch.equal(q > 0, q_want > 0)
+    plain = torch.tensor([config is None for config in configs])
+    assert torch.equal(got.out[plain], scores[plain])
+    if counted is not None:
+        assert counter.syncs == 0, dict(counter.sync_ops)
+        assert counted["launches"] <= 10 and counted["hand_offs"] == syncs, counted
+    return got, want
+
+
+def _reference(logits, config, temperature=1.0):
+    """The independent reference's k* and q for one request's rows (`rs.decode_logits`)."""
+    mode = config.get("bregman_mode", "primal")
+    alpha = float(config["bregman_alpha"])
+    return rs.decode_logits(logits.double().numpy(), alpha, config.get("bregman_lambda", 0.0),
+                            mode, top_k=config.get("bregman_top_k"),
+                            k_max=config.get("bregman_k_max"), temperature=temperature)
+
+
+#: The general maps, adaptive with k* bounded by the parameters (`rows.support_bound`) or a
+#: cap within the window, and at fixed sizes (alpha < 0 too).
+IN_WINDOW = [
+    {"bregman_alpha": 10.0, "bregman_lambda": 1e-3},
+    {"bregman_alpha": 0.5, "bregman_lambda": 1e-3, "bregman_k_max": 50},
+    {"bregman_alpha": 1.05, "bregman_lambda": 1e-3, "bregman_k_max": 64},
+    {"bregman_mode": "dual", "bregman_alpha": 4.0, "bregman_lambda": 1e-3},
+    {"bregman_mode": "dual", "bregman_alpha": 10.0, "bregman_lambda": 1e-4},
+    {"bregman_mode": "dual", "bregman_alpha": 1.2, "bregman_lambda": 1e-3, "bregman_k_max": 60},
+    {"bregman_alpha": 0.5, "bregman_top_k": 30},
+    {"bregman_alpha": -2.0, "bregman_top_k": 10},
+    {"bregman_mode": "dual", "bregman_alpha": 4.0, "bregman_top_k": 40},
+    None,
+]
+
+
+def test_the_general_maps_within_the_window_decode_on_the_device(counted):
+    """The families the window has no formula for (primal alpha 10, 0.5, 1.05; dual alpha 4,
+    10, 1.2; fixed sizes, alpha < 0 among them), each row's k* bounded by 64: the search pass
+    at 64 candidates decodes them (six launches, no sync), as the float64 torch step and the
+    independent reference do."""
+    g = torch.Generator().manual_seed(21)
+    scores = torch.randn(len(IN_WINDOW), 4096, generator=g) * \
+        torch.linspace(1.0, 5.0, len(IN_WINDOW)).unsqueeze(-1)
+    got, _ = _step(scores, IN_WINDOW, counted=counted, syncs=0)
+    assert counted["launches"] == 6
+    for row in (0, 3, 5, 7):
+        want = _reference(scores[row:row + 1], IN_WINDOW[row])
+        assert int(got.k[row]) == int(want.k[0])
+        np.testing.assert_allclose(got.out[row].double().exp().numpy(), np.exp(want.log_q[0]),
+                                   rtol=0, atol=2e-5)
+
+
+#: Rows whose k* passes both windows (in the hundreds at [4, 8192]), capped within the search's
+#: widest candidates: decoded on the device.
+PAST = [
+    {"bregman_mode": "dual", "bregman_alpha": 1.2, "bregman_lambda": 1e-4, "bregman_k_max": 500},
+    {"bregman_alpha": 1.05, "bregman_lambda": 1e-4, "bregman_k_max": 500},
+    {"bregman_alpha": 3.0, "bregman_lambda": 1e-8, "bregman_k_max": 500},
+    {"bregman_alpha": 1.0, "bregman_lambda": 2e-4, "bregman_k_max": 300},
+]
+
+
+def test_rows_past_the_window_decode_on_the_device(counted):
+    """Flat rows at small lambdas (k* in the hundreds at [4, 8192]: the general maps, a power
+    family the window hands over, standard top-k past 256), capped within the search's widest
+    candidates: the search pass decodes them on the device, no sync."""
+    g = torch.Generator().manual_seed(22)
+    scores = torch.randn(len(PAST), 8192, generator=g) * 0.8
+    got, _ = _step(scores, PAST, counted=counted, syncs=0)
+    assert bool((got.k > kernel_step.WIDE_WINDOW).all()), got.k
+    want = _reference(scores[:1], PAST[0])
+    assert int(got.k[0]) == int(want.k[0])
+
+
+def test_the_widest_candidates_limit(counted):
+    """Rows held to k_max 300 and to the search's widest width (k* = the cap), fixed sizes of
+    300 and the widest width, decoded on the device; beside them a row whose k* passes the
+    widest candidates and a fixed size past them: those two go to the host's exact path (one
+    sync) and end as the float64 step decodes them."""
+    wide = kernel_step.SEARCH_WIDTH
+    configs = [
+        {"bregman_mode": "dual", "bregman_alpha": 1.2, "bregman_lambda": 1e-6,
+         "bregman_k_max": 300},
+        {"bregman_alpha": 1.05, "bregman_lambda": 1e-6, "bregman_k_max": wide},
+        {"bregman_alpha": 1.5, "bregman_top_k": 300},
+        {"bregman_alpha": 10.0, "bregman_top_k": wide},
+        {"bregman_alpha": 1.5, "bregman_lambda": 1e-8},
+        {"bregman_alpha": 2.0, "bregman_top_k": wide + 100},
+    ]
+    g = torch.Generator().manual_seed(23)
+    scores = torch.randn(len(configs), 8192, generator=g) * 0.3
+    got, _ = _step(scores, configs, counted=counted, syncs=1)
+    assert got.k[:4].tolist() == [300, wide, 300, wide] and int(got.k[4]) > wide
+    assert counted["launches"] == 6
+
+
+def test_ties_masked_entries_and_rows_that_are_not_distributions(counted):
+    """The general maps on ties across the boundary of a fixed size and of k*, on rows with
+    grammar-masked (-inf) entries, and rows that are NaN, hold +inf or are all -inf (left as
+    they are, k = 0)."""
+    configs = [{"bregman_alpha": 10.0, "bregman_top_k": 5},
+               {"bregman_mode": "dual", "bregman_alpha": 4.0, "bregman_top_k": 5},
+               {"bregman_alpha": 0.5, "bregman_lambda": 1e-2, "bregman_k_max": 60},
+               {"bregman_mode": "dual", "bregman_alpha": 1.2, "bregman_lambda": 1e-2,
+                "bregman_k_max": 60},
+               {"bregman_alpha": 10.0, "bregman_lambda": 1e-3},
+               {"bregman_mode": "dual", "bregman_alpha": 4.0, "bregman_lambda": 1e-3},
+               {"bregman_alpha": 1.05, "bregman_lambda": 1e-3, "bregman_k_max": 60}]
+    scores = torch.full((len(configs), 1024), -5.0)
+    scores[:2, 100:107] = 2.0  # seven tied tokens across the boundary of 5
+    scores[:2, 3] = 4.0
+    g = torch.Generator().manual_seed(24)
+    scores[2:4] = torch.randn(2, 1024, generator=g) * 3.0
+    scores[2:4, ::3] = -math.inf  # grammar-masked
+    scores[2, 1::3] = -math.inf
+    scores[4, 7] = math.nan
+    scores[5, 11] = math.inf
+    scores[6] = -math.inf
+    plan = plan_of(configs, 1024)
+    got = decode_step(scores.clone(), plan, logits=True, backend="triton")
+    want = decode_step(scores.double(), plan_of(configs, 1024), logits=True, backend="torch")
+    assert torch.equal(got.k, want.k) and got.k[:2].tolist() == [5, 5]
+    assert got.k[4:].tolist() == [0, 0, 0]
+    torch.testing.assert_close(got.out[4:], scores[4:], rtol=0, atol=0, equal_nan=True)
+    q = got.out[:4].double().exp().sort(-1, descending=True).values
+    q_want = want.out[:4].exp().sort(-1, descending=True).values
+    torch.testing.assert_close(q, q_want, rtol=0, atol=2e-5)
+    kept = torch.isfinite(got.out[:2])
+    assert bool((scores[:2][kept] >= 2.0).all())
+    assert not torch.isfinite(got.out[2:4, ::3]).any()
+
+
+def test_temperatures_other_than_one_and_probabilities(counted):
+    """Model Runner V2's temperatures (softmax(logits / T) decoded, T log q written) on the
+    general maps; and probabilities in (q written, zeros off the support), zero entries among
+    them."""
+    configs = IN_WINDOW[:6]
+    temperatures = [0.7, 1.3, 0.5, 2.0, 0.8, 1.5]
+    g = torch.Generator().manual_seed(25)
+    scores = torch.randn(len(configs), 1024, generator=g) * 3.0
+    _step(scores, configs, temperatures, counted=counted, syncs=0)
+    probs = torch.softmax(scores, -1)
+    probs[1, :7] = 0.0
+    _step(probs, configs, logits=False, counted=counted, syncs=0)
+
+
+def test_a_mixed_batch_in_slots(counted):
+    """Model Runner V2: every family (the window's, the general maps, a row past the window,
+    fixed sizes wide and narrow, keep-all, a plain request) in shuffled slots, with draft rows
+    and temperatures: each row decoded as its slot's request alone by the float64 step, in at
+    most 10 launches and no sync."""
+    configs = [NARROW["kl"], NARROW["power 3"], NARROW["dual 3/2"], NARROW["top_k water"],
+               IN_WINDOW[0], IN_WINDOW[3], IN_WINDOW[7], PAST[3], None, NARROW["keep all"],
+               {"bregman_alpha": 1.5, "bregman_top_k": 300},
+               {**WIDE["kl 1e-3"], "bregman_k_max": 400}]
+    temperatures = [0.7, 1.0, 1.3, 0.9, 1.1, 1.0, 0.8, 1.0, 1.0, 1.2, 1.0, 0.6]
+    proc = BregmanLogitsProcessor(SimpleNamespace(), SimpleNamespace(
+        device=torch.device("cpu"), vocab_size=2048, max_num_reqs=16))
+    for slot, (config, temperature) in enumerate(zip(configs, temperatures, strict=True)):
+        proc.add_request(slot, SamplingParams(temperature=temperature, extra_args=config))
+    proc.apply_staged_writes()
+    order = [5, 11, 0, 7, 3, 9, 1, 8, 10, 2, 6, 4]
+    rows_of = [5, 11, 0, 0, 7, 3, 9, 1, 8, 10, 2, 2, 6, 4]  # (slots 0 and 2: two rows each)
+    logits = model_logits(len(rows_of), 2048, seed=26)
+    ctx = _context(order, rows_of)
+    proc.apply(logits.clone(), ctx)  # (its layout, once)
+    scores = logits.clone()
+    counted.update(launches=0, hand_offs=0)
+    with DispatchCounter() as counter:
+        out = proc.apply(scores, ctx)
+    assert counter.syncs == 0 and counted["hand_offs"] == 0, dict(counter.sync_ops)
+    assert counted["launches"] == 6
+    for row, slot in enumerate(rows_of):
+        if configs[slot] is None:
+            assert torch.equal(out[row], logits[row])
+            continue
+        alone = decode_step(logits[row:row + 1].double(),
+                            plan_of([configs[slot]], 2048, [temperatures[slot]]),
+                            logits=True, backend="torch")
+        assert int(proc.last_step.k[row]) == int(alone.k[0]), (row, slot)
+        q = (out[row].double() / temperatures[slot]).exp()
+        q_want = (alone.out[0] / temperatures[slot]).exp()
+        torch.testing.assert_close(q, q_want, rtol=0, atol=2e-5)
+
+
+def test_a_row_the_search_cannot_decide_without_the_host_is_still_written(monkeypatch,
+                                                                          counted):
+    """Where the layout says no row can need the host (every row's reach within the search's
+    candidates) and one still cannot be decided there (here: the search's width forced to 64
+    for a row whose k* is in the hundreds), the row is written with the map of its certified
+    lower bound, a distribution, rather than left as it came."""
+    monkeypatch.setattr(kernel_step, "search_width", lambda reach, vocab: (64, False))
+    configs = [PAST[3], PAST[1]]  # (standard top-k, and a general map)
+    g = torch.Generator().manual_seed(27)
+    scores = torch.randn(2, 4096, generator=g) * 0.8
+    got = decode_step(scores.clone(), plan_of(configs, 4096), logits=True, backend="triton")
+    assert counted["hand_offs"] == 0 and bool((got.k >= 63).all()), got.k
+    q = got.out.double().exp()
+    assert torch.equal((q > 0).sum(-1), got.k)
+    torch.testing.assert_close(q.sum(-1), torch.ones(2, dtype=F64), rtol=0, atol=1e-5)

@@ -1,4 +1,5 @@
-"""The decoding step as four Triton kernels: no host plan, no host sync for bounded supports.
+"""The decoding step as Triton kernels (four, or six with the search pass): no host plan, no
+host sync for rows whose k* the search's candidates hold.
 
 The CUDA step of `bregman_vllm.core.step` (which stays the CPU path and the reference every
 kernel is tested against), shaped as vLLM's Model Runner V2 builds its own sampler
@@ -21,17 +22,26 @@ order:
    to write (T log q, or q), and the hand-off flags: ``needs`` (the exact path must decode the
    row: k* past the window, a near-tie, an unconverged solve, the ``EXACT`` family, a fixed
    size wider than the widest window) and ``low`` (a certified lower bound on its k*);
-4. `_write_kernel` (row x vocabulary chunk): -inf (or 0) off the support, the values on it, in
-   place on the logits (or into a new tensor: rows not decoded copied); keep-all rows
-   (lambda -> 0) shifted by T times their log-normalizer; rows not decoded, rows that are not
-   distributions (NaN, +inf, all -inf) and rows left to the exact path untouched.
+4. the search pass (`_search_pass`, launched when the layout says some row may need it,
+   `rows.Layout.sync`): `_select_kernel` again, at the search's C candidates and for the rows
+   left ``needs`` only (the others leave at once, no host read), then `_search_kernel` (a
+   program per row): the torch search's algorithm (`kernels.search`, `core.search`: the floor
+   of the gaps, probes on the multiplier, exact gaps, the map of k*) in float64, or a fixed
+   size's map, or the closed-form gaps over C; C is 64 or 256 for rows bounded there (their
+   cap, or `rows.support_bound`), else `SEARCH_WIDTH` (`search_width`);
+5. `_write_kernel` (row x vocabulary chunk): -inf (or 0) off the support, the values on it (the
+   window's, or the search's), in place on the logits (or into a new tensor: rows not decoded
+   copied); keep-all rows (lambda -> 0) shifted by T times their log-normalizer; rows not
+   decoded, rows that are not distributions (NaN, +inf, all -inf) and rows left to the host
+   untouched.
 
-Four launches and no sync when every row's support fits the window (`rows.Layout.sync`
-False); otherwise the hand-off (`hand_off`) reads the flagged rows' slots once (one sync) and
-runs the torch exact path (`core.search.decode_exact`) on those rows, grouped by family on the
-host.
+Four launches when no row may need the search, six otherwise, and no sync unless some row's
+reach (`rows.Row.reach`: the candidates its k* may need) passes the search's candidates on
+rows longer than them: then the hand-off (`hand_off`) reads the still flagged rows' slots once
+(one sync) and runs the torch exact path (`core.search.decode_exact`) on those rows, grouped
+by family on the host, from their certified lower bounds.
 
-Specialization: each kernel is compiled per (candidate width K, logits or probabilities,
+Specialization: each kernel is compiled per (candidate width K or C, logits or probabilities,
 in place), by `warm_up` at construction; row counts are grid sizes, the row -> slot mapping is
 always a tensor (the identity for a plan's table), strides are not specialized on: no batch
 recompiles.
@@ -55,6 +65,7 @@ from ..core.result import StepResult
 from ..rows import FAMILIES, MODES, ROUTE_CODES, Layout, RowTable
 from . import formulas as f
 from .formulas import (
+    ARGMAX,
     DUAL_THREE,
     DUAL_THREE_HALVES,
     INTERPRET,
@@ -65,6 +76,7 @@ from .formulas import (
     ROUTE_WINDOW,
     SQUARE,
     THREE_HALVES,
+    WATER,
     closed_map,
     closed_search,
     exp64,
@@ -78,6 +90,7 @@ from .formulas import (
     shifted,
     top_keys,
 )
+from .search import fixed_map, search_row
 
 Tensor = torch.Tensor
 
@@ -93,6 +106,15 @@ PROGRAMS = 1024
 WRITE_CHUNK = 8192
 #: Score dtypes the kernels read (float64 scores take the torch step).
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: The search pass's widest candidate set: rows whose k* may pass the windows get it (rows
+#: bounded by a window's width get that width, `search_width`). Under the interpreter the
+#: select kernel's top-k of 2 C keys (`formulas.rank_top`'s [2C, 2C] comparison) must stay
+#: within Triton's largest tensor, 2^20 elements.
+SEARCH_WIDTH = 512 if INTERPRET else 1024
+#: The search pass's widths, narrowest first.
+SEARCH_WIDTHS = (WINDOW, WIDE_WINDOW, SEARCH_WIDTH)
+#: Candidates per step of the write kernel's loop over the search's values.
+SEARCH_TILE = tl.constexpr(64)
 
 
 class KernelStep(NamedTuple):
@@ -148,18 +170,22 @@ def _read_kernel(scores_ptr, stride, vocab, blocks, map_ptr, family_ptr, scale_p
 @triton.jit(do_not_specialize=["stride"])
 def _select_kernel(scores_ptr, stride, vocab, blocks, map_ptr, family_ptr, route_ptr,
                    scale_ptr, max_ptr, mass_ptr, x_ptr, log_x_ptr, deficit_ptr,
-                   index_ptr, total_ptr, valid_ptr, LOGITS: tl.constexpr, K: tl.constexpr,
-                   KB: tl.constexpr, NBP: tl.constexpr, CHUNK: tl.constexpr,
-                   BLOCK: tl.constexpr, SMALLEST: tl.constexpr):
+                   index_ptr, total_ptr, valid_ptr, needs_ptr, LOGITS: tl.constexpr,
+                   K: tl.constexpr, KB: tl.constexpr, NBP: tl.constexpr, CHUNK: tl.constexpr,
+                   BLOCK: tl.constexpr, SMALLEST: tl.constexpr, GATE: tl.constexpr):
     """One row's log-normalizer (or total mass) and its K candidates (`candidates.candidates`):
     x (normalized probabilities, sorted, 0 below the score dtype's smallest value), log x,
     R_(j+1) = tail + sum_(i>j) x_i from positive terms, positions; whether the row is a
-    distribution."""
+    distribution. ``GATE``: the search's pass (its rows are those the decode kernel left
+    ``needs``, the others leave at once; the row's total and validity are the window pass's)."""
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(map_ptr + row).to(tl.int64)
     family = tl.load(family_ptr + slot)
     if family == 0:
         return
+    if GATE:  # noqa: SIM102 (a compile-time condition)
+        if tl.load(needs_ptr + row) == 0:
+            return
     scale = tl.load(scale_ptr + slot).to(tl.float64)
     listed = tl.arange(0, NBP)
     inside = listed < blocks
@@ -178,8 +204,13 @@ def _select_kernel(scores_ptr, stride, vocab, blocks, map_ptr, family_ptr, route
         reference = tl.full((), 0.0, tl.float64)
         total = tl.sum(block_mass, axis=0)
         valid = (total > 0) & (total < float("inf"))
-    # (the window's rows, `families.route`: a fixed size of a window row fits K)
-    if (tl.load(route_ptr + slot) == ROUTE_WINDOW) & valid:
+    # (the window's rows, `families.route`: a fixed size of a window row fits K; the search's
+    # rows in its pass)
+    if GATE:
+        chosen_row = (tl.load(needs_ptr + row) != 0) & valid
+    else:
+        chosen_row = (tl.load(route_ptr + slot) == ROUTE_WINDOW) & valid
+    if chosen_row:
         # The K largest entries lie in the K blocks with the largest maxima.
         chosen = top_keys(order_key(block_max, listed), KB)
         chosen_blocks = key_index(chosen)
@@ -234,8 +265,9 @@ def _select_kernel(scores_ptr, stride, vocab, blocks, map_ptr, family_ptr, route
         tl.store(log_x_ptr + where, log_x)
         tl.store(deficit_ptr + where, deficit)
         tl.store(index_ptr + where, key_index(best))
-    tl.store(total_ptr + row, total)
-    tl.store(valid_ptr + row, valid)
+    if not GATE:
+        tl.store(total_ptr + row, total)
+        tl.store(valid_ptr + row, valid)
 
 
 # ----------------------------------------------------------------------------- 3. decode
@@ -330,15 +362,86 @@ def _decode_kernel(map_ptr, family_ptr, route_ptr, fixed_ptr, size_ptr, alpha_pt
     tl.store(bound_ptr + row, bound)
 
 
-# ----------------------------------------------------------------------------- 4. write
+# ----------------------------------------------------------------------------- 4. search
 
 
-@triton.jit(do_not_specialize=["stride", "out_stride"])
+@triton.jit(do_not_specialize=["host"])
+def _search_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
+                   row_mode_ptr, temperature_ptr, x_ptr, log_x_ptr, deficit_ptr, needs_ptr,
+                   flagged_ptr, low_ptr, values_ptr, k_ptr, mode_ptr, host,
+                   LOGITS: tl.constexpr, C: tl.constexpr):
+    """The search (`kernels.search`, `core.search._sizes`) for one row the decode kernel left
+    ``needs`` (the others leave at once), on its C candidates: a fixed size's map, the
+    closed-form gaps of `formulas.closed_search`, or the probes and exact gaps of
+    `search.search_row`; the values to write (``mode`` 3). A row it cannot decide on its
+    candidates (k* past them while the row could grow past them) keeps ``needs`` for the host
+    (``host`` 1: its certified lower bound in ``low``); with ``host`` 0 (the layout knows no
+    row can need that) it is written with the map of its lower bound."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(needs_ptr + row) == 0:
+        return
+    slot = tl.load(map_ptr + row).to(tl.int64)
+    family = tl.load(family_ptr + slot)
+    fixed = tl.load(fixed_ptr + slot) != 0
+    size = tl.load(size_ptr + slot)
+    alpha = tl.load(alpha_ptr + slot)
+    lam = tl.load(lam_ptr + slot)
+    dual = tl.load(row_mode_ptr + slot) == 2  # (`rows.MODES`: 1 primal, 2 dual)
+    temperature = tl.load(temperature_ptr + slot).to(tl.float64)
+    positions = tl.arange(0, C)
+    where = row * C + positions
+    x = tl.load(x_ptr + where)
+    log_x = tl.load(log_x_ptr + where)
+    deficit = tl.load(deficit_ptr + where)
+    known = known_count(x, deficit, positions, C)
+    closed = tl.where((family == DUAL_THREE_HALVES) | (family == DUAL_THREE), family, 0)
+    maps = (family == KL) | (family == THREE_HALVES) | (family == SQUARE) | \
+        (family == WATER) | (family == ARGMAX)
+    if fixed:
+        k = tl.maximum(tl.minimum(known, size), 1)
+        done = k <= C
+        k = tl.minimum(k, C)
+        if maps:
+            log_deficit = log64(f.at(deficit, positions, k - 1))
+            log_q = closed_map(family, log_x, positions < k, log_deficit, k.to(tl.float64),
+                               positions, C)
+        else:
+            log_q = fixed_map(dual, closed, alpha, log_x, deficit, k, positions, C)
+    elif (family == KL) | (family == THREE_HALVES) | (family == SQUARE):
+        limit = tl.minimum(known, size)
+        k, log_q, beyond = closed_search(family, x, log_x, deficit, lam, limit, positions, C)
+        done = ~beyond
+    else:
+        limit = tl.maximum(tl.minimum(known, size), 1)
+        k, log_q, done = search_row(dual, closed, alpha, lam, x, log_x, deficit,
+                                    tl.load(low_ptr + row), limit, positions, C)
+        if ~done & (host == 0):
+            k = tl.minimum(k, C)
+            log_q = fixed_map(dual, closed, alpha, log_x, deficit, k, positions, C)
+    if done | (host == 0):
+        if LOGITS:
+            tl.store(values_ptr + where, log_q * temperature)
+        else:
+            tl.store(values_ptr + where, exp64(log_q))
+        tl.store(k_ptr + row, k)
+        tl.store(mode_ptr + row, 3)
+        tl.store(needs_ptr + row, 0)
+        tl.store(flagged_ptr + row, -1)
+    else:
+        tl.store(low_ptr + row, k)
+
+
+# ----------------------------------------------------------------------------- 5. write
+
+
+@triton.jit(do_not_specialize=["stride", "out_stride", "width"])
 def _write_kernel(scores_ptr, out_ptr, stride, out_stride, vocab, index_ptr, values_ptr,
-                  k_ptr, mode_ptr, needs_ptr, shift_ptr, bound_ptr, IN_PLACE: tl.constexpr,
-                  SKIP_NEEDS: tl.constexpr, LOGITS: tl.constexpr, K: tl.constexpr,
-                  TILE: tl.constexpr):
-    """One row's chunk of the output (`write.write_support`, `step._finish`)."""
+                  k_ptr, mode_ptr, needs_ptr, shift_ptr, bound_ptr, found_ptr, found_values_ptr,
+                  width, IN_PLACE: tl.constexpr, SKIP_NEEDS: tl.constexpr,
+                  LOGITS: tl.constexpr, K: tl.constexpr, TILE: tl.constexpr):
+    """One row's chunk of the output (`write.write_support`, `step._finish`): ``mode`` 1 the
+    window's values (K candidates), 3 the search's (``width`` candidates, ``found_*``), 2 the
+    keep-all shift."""
     row = tl.program_id(0).to(tl.int64)
     mode = tl.load(mode_ptr + row).to(tl.int32)
     if SKIP_NEEDS:
@@ -349,16 +452,23 @@ def _write_kernel(scores_ptr, out_ptr, stride, out_stride, vocab, index_ptr, val
     lanes = tl.arange(0, TILE)
     source = scores_ptr + row * stride
     target = out_ptr + row * out_stride
-    if mode == 1:
+    if (mode == 1) | (mode == 3):
         fill = float("-inf") if LOGITS else 0.0
         for start in range(first, last, TILE):
             offsets = start + lanes
             tl.store(target + offsets, tl.full([TILE], fill, tl.float32), mask=offsets < last)
         tl.debug_barrier()  # the fill before the support's values, within the program
-        candidates = tl.arange(0, K)
-        index = tl.load(index_ptr + row * K + candidates)
-        values = tl.load(values_ptr + row * K + candidates)
-        tl.store(target + index, values, mask=(index >= first) & (index < last))
+        if mode == 1:
+            candidates = tl.arange(0, K)
+            index = tl.load(index_ptr + row * K + candidates)
+            values = tl.load(values_ptr + row * K + candidates)
+            tl.store(target + index, values, mask=(index >= first) & (index < last))
+        else:
+            for start in range(0, width, SEARCH_TILE):
+                candidates = start + tl.arange(0, SEARCH_TILE)
+                index = tl.load(found_ptr + row * width + candidates)
+                values = tl.load(found_values_ptr + row * width + candidates)
+                tl.store(target + index, values, mask=(index >= first) & (index < last))
     elif mode == 2:
         shift = tl.load(shift_ptr + row).to(tl.float32)
         bound = tl.load(bound_ptr + row)
@@ -419,13 +529,14 @@ _WORKSPACES: dict[tuple, _Workspace] = {}
 _ROWS_OF: dict[tuple, _Workspace] = {}
 
 
-def _workspace(n: int, blocks: int, width: int, dtype: torch.dtype, device: torch.device
-               ) -> _Workspace:
+def _workspace(n: int, blocks: int, width: int, dtype: torch.dtype, device: torch.device,
+               search: bool = False) -> _Workspace:
     """The step's scratch: one set of buffers per vocabulary, window, dtype, device and thread,
     grown by doubling to the largest batch seen, and its first n rows as cached views (the
     batch size changes nearly every step in an engine; the stream orders one step's use after
-    the last's)."""
-    key = (blocks, width, dtype, device, threading.get_ident())
+    the last's). ``search``: the search pass's (its candidates, index and values; the window's
+    stay as the decode kernel left them, for the hand-off's failure path)."""
+    key = (blocks, width, dtype, device, threading.get_ident(), search)
     rows = _ROWS_OF.get((key, n))
     if rows is not None:
         return rows
@@ -473,7 +584,9 @@ def decode(scores: Tensor, table: RowTable, layout: Layout, *, logits: bool,
     """Decode the rows of ``scores`` ([N, V], float32 / float16 / bfloat16) whose slot
     (``mapping[row]``, or the row itself) the table decodes; other rows are left as they are
     (k = 0). ``layout``: what the step is specialized on (`RowTable.layout` of the step's
-    slots). Four launches; with ``layout.sync`` one sync and the exact path (`hand_off`).
+    slots). Four launches; with ``layout.sync`` six (the search pass, `_search_pass`), and one
+    sync and the host's exact path (`hand_off`) only where some row's reach passes the
+    search's candidates (`search_width`).
 
     Exceptions propagate; with ``inplace``, one raised by the exact path carries
     ``bregman_uncertified_rows`` (those rows keep the window's uncertified answer), as the
@@ -482,8 +595,6 @@ def decode(scores: Tensor, table: RowTable, layout: Layout, *, logits: bool,
     device = scores.device
     width = layout.width
     blocks = triton.cdiv(vocab, BLOCK)
-    listed = triton.next_power_of_2(blocks)
-    chosen = min(width, listed)
     space = _workspace(n, blocks, width, scores.dtype, device)
     out = scores if inplace else torch.empty((n, vocab), dtype=scores.dtype, device=device)
     k = torch.empty(n, dtype=torch.long, device=device)
@@ -496,34 +607,80 @@ def decode(scores: Tensor, table: RowTable, layout: Layout, *, logits: bool,
     _launch(_read_kernel, (n, splits), scores, scores.stride(0), vocab, blocks, mapping,
             columns["family"], columns["scale"], space.block_max, space.block_mass,
             LOGITS=logits, TILE=TILE, BLOCK=BLOCK, num_warps=4)
-    _launch(_select_kernel, (n,), scores, scores.stride(0), vocab, blocks, mapping,
-            columns["family"], columns["route"], columns["scale"],
-            space.block_max, space.block_mass, space.x, space.log_x, space.deficit,
-            space.index, space.total, space.valid, K=width, KB=chosen, NBP=listed,
-            CHUNK=min(chosen, CHUNK), BLOCK=BLOCK, SMALLEST=under_smallest(scores.dtype),
-            LOGITS=logits, num_warps=8)
+    _select(scores, space, space, mapping, columns, width, logits, gate=False)
     _launch(_decode_kernel, (n,), mapping, columns["family"], columns["route"], columns["fixed"],
             columns["size"], columns["alpha"], columns["lam"], columns["iterations"],
             columns["temperature"], space.x, space.log_x, space.deficit, space.total,
             space.valid, space.values, k, space.mode, space.needs, space.flagged, space.low,
             space.shift, space.bound, K=width, W=WINDOW, LOG_SMALLEST=log_smallest(scores.dtype),
             LOGITS=logits, num_warps=8)
-    _write(scores, out, k, space, width, logits, inplace, skip_needs=True)
-    if not layout.sync:
+    found, host = None, False
+    if layout.sync:  # some row may need the search: its pass, rows without it leave at once
+        candidates, host = search_width(layout.reach, vocab)
+        found = _workspace(n, blocks, candidates, scores.dtype, device, search=True)
+        _search_pass(scores, space, found, k, mapping, columns, candidates, logits, host)
+    _write(scores, out, k, space, width, logits, inplace, skip_needs=True, found=found)
+    if not host:
         return KernelStep(out, k, 0, 0)
     uncertified, family = hand_off(out, scores, k, space, table, mapping, width,
                                    logits=logits, scaled=layout.scaled, inplace=inplace)
     return KernelStep(out, k, uncertified, family)
 
 
+def search_width(reach: int, vocab: int) -> tuple[int, bool]:
+    """The search pass's candidates for rows that need at most ``reach`` of them (`Layout.reach`,
+    `rows.Row.reach`): the narrowest of `SEARCH_WIDTHS` that holds them, and whether some row
+    may still need the host's exact path (reach past the widest, on rows longer than it)."""
+    # (no more than the power of two at or above the row: every entry is then a candidate, and
+    # the select kernel's chunks of blocks hold at least that many)
+    row = triton.next_power_of_2(triton.cdiv(vocab, BLOCK)) * BLOCK
+    for candidates in SEARCH_WIDTHS:
+        if reach <= candidates:
+            return min(candidates, row), False
+    return min(SEARCH_WIDTH, row), vocab > SEARCH_WIDTH
+
+
+def _select(scores: Tensor, space: _Workspace, into: _Workspace, mapping: Tensor,
+            columns: dict[str, Tensor], width: int, logits: bool, gate: bool) -> None:
+    """The select kernel: the window's candidates (``gate`` False), or the search's for the rows
+    the decode kernel left ``needs`` (``into``: the search pass's workspace)."""
+    n, vocab = scores.shape
+    blocks = triton.cdiv(vocab, BLOCK)
+    listed = triton.next_power_of_2(blocks)
+    chosen = min(width, listed)
+    _launch(_select_kernel, (n,), scores, scores.stride(0), vocab, blocks, mapping,
+            columns["family"], columns["route"], columns["scale"],
+            space.block_max, space.block_mass, into.x, into.log_x, into.deficit,
+            into.index, space.total, space.valid, space.needs, K=width, KB=chosen, NBP=listed,
+            CHUNK=min(chosen, CHUNK), BLOCK=BLOCK, SMALLEST=under_smallest(scores.dtype),
+            LOGITS=logits, GATE=gate, num_warps=8)
+
+
+def _search_pass(scores: Tensor, space: _Workspace, found: _Workspace, k: Tensor,
+                 mapping: Tensor, columns: dict[str, Tensor], width: int, logits: bool,
+                 host: bool) -> None:
+    """The search's two launches: its candidates for the rows left ``needs`` (`_select`), then
+    `_search_kernel` on them."""
+    n = scores.shape[0]
+    _select(scores, space, found, mapping, columns, width, logits, gate=True)
+    _launch(_search_kernel, (n,), mapping, columns["family"], columns["fixed"],
+            columns["size"], columns["alpha"], columns["lam"], columns["mode"],
+            columns["temperature"], found.x, found.log_x, found.deficit, space.needs,
+            space.flagged, space.low, found.values, k, space.mode, int(host),
+            LOGITS=logits, C=width, num_warps=8)
+
+
 def _write(scores: Tensor, out: Tensor, k: Tensor, space: _Workspace, width: int,
-           logits: bool, inplace: bool, skip_needs: bool, mode: Tensor | None = None) -> None:
+           logits: bool, inplace: bool, skip_needs: bool, mode: Tensor | None = None,
+           found: _Workspace | None = None) -> None:
     n, vocab = scores.shape
     splits = max(1, min(triton.cdiv(vocab, WRITE_CHUNK), triton.cdiv(PROGRAMS, n)))
+    searched = space if found is None else found
     _launch(_write_kernel, (n, splits), scores, out, scores.stride(0), out.stride(0), vocab,
             space.index, space.values, k, space.mode if mode is None else mode, space.needs,
-            space.shift, space.bound, IN_PLACE=inplace, SKIP_NEEDS=skip_needs, LOGITS=logits,
-            K=width, TILE=1024, num_warps=4)
+            space.shift, space.bound, searched.index, searched.values,
+            0 if found is None else found.x.shape[1], IN_PLACE=inplace,
+            SKIP_NEEDS=skip_needs, LOGITS=logits, K=width, TILE=1024, num_warps=4)
 
 
 def hand_off(out: Tensor, scores: Tensor, k: Tensor, space: _Workspace, table: RowTable,
@@ -625,9 +782,10 @@ def usable(scores: Tensor) -> bool:
 
 def warm_up(device: torch.device | str, vocab: int, *, dtype: torch.dtype = torch.float32
             ) -> float:
-    """Compile every kernel a processor's steps run (both windows; the write of the failure
-    path too) on two dummy rows of ``vocab`` logits, so that no decoding step compiles (on
-    the interpreter: runs them once). Returns the seconds it took."""
+    """Compile every kernel a processor's steps run (both windows; the search pass at each of
+    its widths; the write of the failure path too) on two dummy rows of ``vocab`` logits, so
+    that no decoding step compiles (on the interpreter: runs them once). Returns the seconds
+    it took."""
     import time
 
     from ..params import BregmanParams
@@ -645,6 +803,11 @@ def warm_up(device: torch.device | str, vocab: int, *, dtype: torch.dtype = torc
         step = decode(scores, table, Layout(width, False, True), logits=True, inplace=True)
         space = _workspace(2, triton.cdiv(vocab, BLOCK), width, dtype, device)
         _write(scores, scores, step.k, space, width, True, True, skip_needs=False)
+    # (the search's variants: its rows here leave at once, as none needs it)
+    for candidates in sorted({search_width(reach, vocab)[0] for reach in SEARCH_WIDTHS}):
+        found = _workspace(2, triton.cdiv(vocab, BLOCK), candidates, dtype, device, search=True)
+        _search_pass(scores, space, found, step.k, _identity(2, device), table.columns,
+                     candidates, True, False)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start
