@@ -356,13 +356,27 @@ def test_one_rows_search_against_the_reference(mode, alpha, lam):
         np.testing.assert_allclose(q, expected, rtol=0, atol=1e-12)
 
 
-def test_the_constants_are_the_torch_searchs():
-    """The kernels' search runs with the torch search's constants."""
-    assert (ks.PROBES, ks.PROBE_STEPS, ks.STRADDLE, ks.SETTLE) == \
-        (search.PROBES, search.PROBE_STEPS, search.STRADDLE, search.SETTLE)
-    assert getattr(search, "STEER", ks.STEER) == ks.STEER
+def test_the_rounding_bounds_are_the_torch_searchs():
+    """The kernels' search counts with the torch search's rounding bounds (restated: the
+    torch ones are private; its other constants are imported)."""
     assert search._SUM_ROUNDING == ks.SUM_ROUNDING
     assert search._TERM_ROUNDING == ks.TERM_ROUNDING
+
+
+@pytest.mark.parametrize("mode", ["primal", "dual"])
+def test_a_capped_row_stops_at_its_cap(mode):
+    """Rows of one family, held to k_max = 100 and 30 where their k* is in the hundreds,
+    beside one held to 400: the probes bound k* without the cap, and a capped row's k* is
+    min(k*, k_max) (Theorem 3.3), as the reference's."""
+    g = torch.Generator().manual_seed(28)
+    logits = torch.randn(3, 4096, generator=g)
+    configs = [{"bregman_mode": mode, "bregman_alpha": 3.0, "bregman_lambda": 1e-9,
+                "bregman_k_max": cap} for cap in (400, 100, 30)]
+    got, _ = _step(logits, configs)
+    assert got.k.tolist()[1:] == [100, 30] and int(got.k[0]) > 100
+    want = _reference(logits[1:2], configs[1])
+    np.testing.assert_allclose(got.out[1].double().exp().numpy(), np.exp(want.log_q[0]),
+                               rtol=0, atol=2e-5)
 
 
 # ----------------------------------------------------------------------------- the step

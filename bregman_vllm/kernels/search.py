@@ -62,9 +62,10 @@ from .formulas import (
 PROBES = tl.constexpr(_search.PROBES)
 PROBE_STEPS = tl.constexpr(_search.PROBE_STEPS)
 STRADDLE = tl.constexpr(_search.STRADDLE)
-#: |D| below which the dual's probes solve their inner roots (`search.STEER`; above it the
-#: primal-shaped approximation only steers).
-STEER = tl.constexpr(getattr(_search, "STEER", 0.1))
+#: |D| below which the dual's probes solve their inner roots (above it the primal-shaped
+#: approximation only steers), and the steering probes at most.
+STEER = tl.constexpr(_search.STEER)
+STEERING = tl.constexpr(_search.STEERING)
 SETTLE = tl.constexpr(_search.SETTLE)
 INNER_STEPS = tl.constexpr(_dual.INNER_STEPS)
 EXACT_STEP = tl.constexpr(_dual.EXACT_STEP)
@@ -591,27 +592,33 @@ def probes(dual, kind, closed, log_p, lp, finite, p, deficit, alpha, log_lam, lo
         found_low, found_high, _m, residual, step, exact, z_now, rate = probe(
             dual, kind, closed, log_p, lp, finite, p, deficit, alpha, log_lam, s, z, steps,
             columns, positions)
-        lo = tl.maximum(low, found_low)
+        # (the counts bound k* without the cap; a capped row's k* is min(k*, cap), Theorem 3.3)
         hi = tl.minimum(high, found_high)
+        lo = tl.minimum(tl.maximum(low, found_low), hi)
         narrowed = (lo > low) | (hi < high)
         low = lo
         high = hi
         last = s
         state = z_now
-        up = residual > 0  # D increases with s
-        # (Illinois: an end kept twice in a row counts half)
+        # D increases with s; only exact values move the bracket of s (steering ones may put
+        # D's root elsewhere). (Illinois: an end kept twice in a row counts half.)
+        up = (residual > 0) & exact
+        down = (residual <= 0) & exact
         d_low = tl.where(up & above, 0.5 * d_low, d_low)
-        d_high = tl.where(~up & ~above, 0.5 * d_high, d_high)
+        d_high = tl.where(down & ~above, 0.5 * d_high, d_high)
         s_high = tl.where(up, s, s_high)
         d_high = tl.where(up, residual, d_high)
-        s_low = tl.where(up, s_low, s)
-        d_low = tl.where(up, d_low, residual)
+        s_low = tl.where(down, s, s_low)
+        d_low = tl.where(down, residual, d_low)
+        above = tl.where(exact, up, above)
         proposal = s + step
         inside = (proposal > s_low) & (proposal < s_high)
         share = tl.minimum(tl.maximum(d_low / (d_low - d_high), 0.05), 0.95)
         share = tl.where(share != share, 0.5, share)
         stale = tl.where(narrowed | ~exact, 0, stale + 1)
-        s_next = tl.where(inside, proposal, s_low + share * (s_high - s_low))
+        # (a steering probe with no step in the bracket probes again where it is, exactly)
+        fallback = tl.where(exact, s_low + share * (s_high - s_low), s)
+        s_next = tl.where(inside, proposal, fallback)
         count += 1
         go = (hi - lo > 1) & (narrowed | ((hi - lo > SETTLE) & (stale < 3))) & \
             (s_high - s_low > 1e-14 * (1.0 + tl.abs(s))) & ((hi <= C) | (lo < C - 1)) & \
@@ -620,9 +627,10 @@ def probes(dual, kind, closed, log_p, lp, finite, p, deficit, alpha, log_lam, lo
             z = warm(z_now, rate, s, s_next)
         # (columns past the bracket's end play no part in the next probes)
         columns = tl.minimum(hi + 2, C)
-        steps = tl.where(steps > 0, PROBE_STEPS,
-                         tl.where(tl.abs(residual) < STEER, INNER_STEPS, 0))
-        above = up
+        # (the first probe that solves the inner roots goes on until they are exact; steering
+        # ends near the root, or soon)
+        solve = (tl.abs(residual) < STEER) | (count >= STEERING)
+        steps = tl.where(steps > 0, PROBE_STEPS, tl.where(solve, INNER_STEPS, 0))
         s = s_next
     return low, high, last, state
 
