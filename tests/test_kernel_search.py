@@ -45,6 +45,7 @@ from bregman_vllm.diagnostics import DispatchCounter
 from bregman_vllm.kernels import search as ks
 from bregman_vllm.kernels import step as kernel_step
 from bregman_vllm.kernels.formulas import DUAL_THREE, DUAL_THREE_HALVES, at
+from bregman_vllm.rows import support_bound
 
 from . import reference_search as rs
 from .test_kernels import NARROW, WIDE, _context, model_logits, plan_of, probabilities
@@ -624,3 +625,25 @@ def test_a_row_the_search_cannot_decide_without_the_host_is_still_written(monkey
     q = got.out.double().exp()
     assert torch.equal((q > 0).sum(-1), got.k)
     torch.testing.assert_close(q.sum(-1), torch.ones(2, dtype=F64), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["primal", "dual"])
+def test_the_support_bound_holds(mode):
+    """`rows.support_bound` (whether a row can need the host: the search decides it on bound + 1
+    candidates) against the independent reference's k* on rows from near-uniform to peaked:
+    never below, and tight at large alpha (dual alpha > 2 needs its factor beta there)."""
+    alphas = (0.5, 0.8, 1.05, 1.5, 3.0, 10.0) if mode == "primal" else (1.2, 1.5, 3.0, 4.0,
+                                                                          10.0)
+    g = torch.Generator().manual_seed(29)
+    scale = torch.tensor([0.05, 0.3, 1.0, 3.0, 8.0], dtype=F64).unsqueeze(-1)
+    logits = torch.randn(5, 4096, generator=g, dtype=F64) * scale
+    tight = 0
+    for alpha in alphas:
+        for lam in (1e-1, 1e-2, 1e-3):
+            bound = support_bound(mode, alpha, lam)
+            if bound > 4096:
+                continue
+            k = rs.decode_logits(logits.numpy(), alpha, lam, mode).k
+            assert int(k.max()) <= bound, (alpha, lam, k, bound)
+            tight += int(k.max()) == bound
+    assert tight >= 3
