@@ -52,11 +52,11 @@ import torch
 from .candidates import UNBOUNDED, Candidates, candidates, take
 from .dual import INNER_STEPS, dual_range, dual_values
 from .families import CLOSED_GAP_FAMILIES, QUADRATIC_DUAL_FAMILIES, Family
-from .gaps import consecutive_gaps, log_entry_term
+from .gaps import consecutive_gaps, dual_log_gap, log_entry_term, primal_log_gap
 from .generators import BregmanGenerator
-from .maps import log_deficit, log_renorm
+from .maps import log_deficit, log_renorm, solved
 from .plan import ExactPlan, exact_plan
-from .primal import level_range, primal_values, top_range
+from .primal import level_range, normalized, primal_values, support_mask, top_range
 from .roots import Multiplier
 from .window import closed_sizes, support_range
 from .write import output_values, write_support
@@ -261,6 +261,7 @@ def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tenso
     walk = _Walk(torch.arange(n, device=low.device), s, s_low, s_high, nan, nan,
                  torch.zeros_like(low, dtype=torch.bool), torch.zeros_like(low))
     sub, start, steps = rows, None, 0  # (the first probes of the dual only steer: `_values`)
+    full = columns = width
     for probe in range(PROBES):
         found = _probe(mode, kind, family, sub, walk.s, start, steps)
         i, s = walk.index, walk.s
@@ -297,24 +298,78 @@ def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tenso
         if keep.numel() == 0:
             break
         start = _warm(kind, found.values, s, walk.s)
-        # Columns past every bracket's end play no part in the next probes. (one host read)
-        widest, far = torch.stack([hi[keep].max().to(s.dtype),
-                                   found.residual[keep].abs().max()]).tolist()
-        columns = min(sub.p.shape[-1], int(widest) + 2)
-        # (the first probe that solves them goes on until they are exact, from the shaped ones,
-        # with the bracket of s reset: the shaped values' D is not the exact one's)
+        # Columns past every bracket's end play no part in the next probes (one host read);
+        # the first exact probes take those up to twice the sizes steering reached, and the
+        # whole bracket again where they run into the end (a probe is certified on any prefix).
+        widest, far, reached = torch.stack([
+            hi[keep].max().to(s.dtype), found.residual[keep].abs().max(),
+            found.size[keep].max().to(s.dtype)]).tolist()
+        need = min(full, int(widest) + 2)
         solve = far < STEER or probe + 1 >= STEERING  # (steering ends near the root, or soon)
-        # (the first probe that solves them goes on until they are exact, from the shaped ones)
-        steps = PROBE_STEPS if steps else (INNER_STEPS if solve else 0)
-        if keep.numel() < go.numel() or columns < sub.p.shape[-1]:
+        if not steps and solve:  # (its first probe solves until the inner roots are exact)
+            columns, steps = min(need, 2 * int(reached) + 64), INNER_STEPS
+        elif steps:
+            columns = need if reached + 1 >= columns else min(columns, need)
+            steps = PROBE_STEPS
+        if keep.numel() < go.numel() or columns != sub.p.shape[-1]:
             walk = walk.take(keep)
-            sub = _Rows(*(t[keep, :columns] if t.dim() == 2 and t.shape[-1] > 1 else t[keep]
-                          for t in sub))
-            start = None if start is None else start[keep, :columns]
+            sub = _Rows(*(t[walk.index, :columns] if t.dim() == 2 and t.shape[-1] > 1
+                          else t[walk.index] for t in rows))
+            if start is not None:  # (NaN: no warm start, past the last probe's columns)
+                start = torch.nn.functional.pad(start[keep, :columns],
+                                                (0, columns - min(columns, start.shape[-1])),
+                                                value=math.nan)
     return low, high, last, state
 
 
 # ----------------------------------------------------------------------------- 4. exact gaps
+
+
+def _pair(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, lam: Tensor,
+          low: Tensor, s: Tensor | None, state: Tensor | None) -> tuple[Tensor, Tensor]:
+    """k* of rows whose bracket is two sizes, low and high = low + 1 (the search's common end):
+    the map of high first (`maps.solved`, warm-started), whose own bound G(low) >=
+    w_high(s_high) > lambda makes k* = high; where it does not, the map of low, whose bound
+    G(low) <= w_high(s_low) <= lambda makes k* = low; where neither does, the exact gap of the
+    two (`gaps`). Returns (k, log T_k [n, C])."""
+    n, width = cand.log_x.shape
+    high = low + 1
+    columns = min(width, int(high.max()) + 1)
+    log_p, log_lam = cand.log_x[:, :columns], torch.log(lam)
+    a = alpha.to(log_p.dtype).unsqueeze(-1)
+
+    def map_at(rows: Tensor, m: Tensor) -> Multiplier:
+        return solved(family, mode, log_p[rows], m, alpha[rows], log_deficit(take(cand, rows), m),
+                      None if s is None else s[rows],
+                      None if state is None else state[rows, :columns])
+
+    def term(rows: Tensor, found: Multiplier, j: Tensor) -> Tensor:  # w_j at the map's scalar
+        col = (j - 1).clamp_max(columns - 1).unsqueeze(-1)
+        return log_entry_term(mode, log_p[rows].gather(1, col), found.log_q.gather(1, col),
+                              a[rows]).squeeze(-1)
+
+    every = torch.arange(n, device=low.device)
+    upper = map_at(every, high)
+    k = high.clone()
+    out = normalized(upper.log_q, support_mask(high, columns))
+    rest = (term(every, upper, high) <= log_lam).nonzero().squeeze(-1)
+    if rest.numel():
+        lower = map_at(rest, low[rest])
+        at = (term(rest, lower, high[rest]) <= log_lam[rest]) & (high[rest] <= width)
+        both = (~at).nonzero().squeeze(-1)
+        if both.numel():
+            rows = rest[both]
+            maps = [normalized(m.log_q[i], support_mask(size[rows], columns))
+                    for m, i, size in ((lower, both, low), (upper, rows, high))]
+            rho = lower.lift[both] - upper.lift[rows]
+            pair = (maps[0], maps[1], low[rows], a[rows, 0])
+            gap = primal_log_gap(*pair, rho) if mode == "primal" else \
+                dual_log_gap(log_p[rows], *pair, rho)
+            at[both] = gap <= log_lam[rows]
+        lows = rest[at]
+        k[lows] = low[lows]
+        out[lows] = normalized(lower.log_q[at], support_mask(low[lows], columns))
+    return k, out
 
 
 def _settle(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, lam: Tensor,
@@ -336,6 +391,14 @@ def _settle(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
     log_lam = torch.log(lam)
     # log G(low - 1) > log lambda and log G(high) <= log lambda where known (NaN: not yet)
     ends = torch.full((2, n), math.nan, dtype=dtype, device=low.device)
+    if generator is None:  # (rows two sizes apart, the search's common end: `_pair`)
+        rows = (high - low == 1).nonzero().squeeze(-1)
+        if rows.numel():
+            k, maps = _pair(family, mode, take(cand, rows), alpha[rows], lam[rows], low[rows],
+                            None if s is None else s[rows],
+                            None if state is None else state[rows])
+            low[rows], high[rows], cached[rows] = k, k, True
+            cache[rows, : maps.shape[-1]] = maps
     while True:
         active = (low < high).nonzero().squeeze(-1)
         if active.numel() == 0:
