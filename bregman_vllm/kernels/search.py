@@ -27,8 +27,7 @@ Differences from the torch path, none of which changes what is certified: one ro
 map's dual inner roots are solved by the nested Newton of Algorithm 1 (the torch path's
 `dual._nested`, its fallback; its first choice is a joint Newton over (s, z)); the exact gaps
 of the last `SETTLE` sizes are taken in increasing size, one at a time, stopping at the first
-that is at most lambda (the gaps are nonincreasing); the series of K_alpha always has 16
-terms.
+that is at most lambda (the gaps are nonincreasing).
 
 Float64 throughout (`formulas`' exp64 / log64: libdevice on a GPU, numpy under the
 interpreter).
@@ -173,15 +172,21 @@ def normalized(log_q, inside):
 
 
 @device
-def alpha_series(a, r):
+def alpha_series(a, r, x):
     """`numerics._series`: K_alpha(r) = r^2 sum_n u_n / n!, u_2 = 1, u_(n+1) = r^(n-1) +
-    (a r) u_n, for |r|, |a r| <= 1/4 (16 terms: below 1e-17 of the first)."""
+    (a r) u_n, for |r|, |a r| <= x <= 1/4: as many terms as the largest needs (term n is at
+    most (n - 1) x^(n-2) / n! of the first; stop below 1e-17, 16 terms at most)."""
+    terms = tl.full((), 1, tl.int32)
+    bound = tl.full((), 1.0, tl.float64)
+    while (terms < 16) & (bound > 1e-17):
+        terms += 1
+        bound = bound * x * terms / ((terms + 1) * (terms - 1)).to(tl.float64)
     ar = a * r
     u = tl.zeros_like(r) + 1.0
     power = r
     total = tl.zeros_like(r)
-    factorial = 2.0
-    for n in tl.static_range(2, 18):
+    factorial = tl.full((), 2.0, tl.float64)
+    for n in range(2, 2 + tl.maximum(terms, 2)):
         total += u / factorial
         u = power + ar * u
         power = power * r
@@ -190,40 +195,57 @@ def alpha_series(a, r):
 
 
 @device
+def any_of(mask):
+    """Whether any lane of ``mask`` holds (the program then takes a region's branch)."""
+    return tl.max(mask.to(tl.int32), axis=0) > 0
+
+
+@device
 def alpha_kernel(a, rho):
     """`numerics.bregman_alpha_kernel`: log K_alpha(rho), with d_alpha(x, y) = y^alpha
     K_alpha(log x - log y) for phi_alpha (Section 4), K_alpha(rho) = [expm1(alpha rho) - alpha
-    expm1(rho)] / (alpha (alpha - 1)), by its regions: the series (|rho|, |alpha rho| <= 1/4),
-    the forms next to alpha = 1 (|alpha - 1| <= 1/4), the expm1 form (|rho|, |alpha rho| <= 40)
-    and a max-shifted logarithm beyond; K(-inf) = 1/alpha (alpha > 0), K(+inf) = +inf."""
+    expm1(rho)] / (alpha (alpha - 1)), by its regions, each computed where some lane is in it:
+    the series (|rho|, |alpha rho| <= 1/4), the forms next to alpha = 1 (|alpha - 1| <= 1/4),
+    the expm1 form (|rho|, |alpha rho| <= 40) and a max-shifted logarithm beyond; K(-inf) =
+    1/alpha (alpha > 0), K(+inf) = +inf."""
     r = tl.where(isfinite64(rho), rho, 0.0)
     b = a - 1.0
     size = tl.maximum(tl.abs(r), tl.abs(a * r))
-    near_one = tl.abs(b) <= 0.25
-    series = log64(tl.maximum(alpha_series(a, tl.where(size <= 0.25, r, 0.0)), 0.0))
+    spread = tl.abs(b) + tl.zeros_like(size)  # (as a vector: the interpreter's & does not
+    #                                             broadcast a scalar bool)
+    near_one = (spread <= 0.25) & (size > 0.25)
+    other = (spread > 0.25) & (size > 0.25)
+    small = size <= 0.25
+    out = tl.zeros_like(size)
+    if any_of(small):
+        x = tl.max(tl.where(small, size, 0.0), axis=0)
+        series = alpha_series(a, tl.where(small, r, 0.0), x)
+        out = tl.where(small, log64(tl.maximum(series, 0.0)), out)
     safe_b = tl.where(b == 0, 1.0, b)
-    # |alpha - 1| <= 1/4: [e^r expm1(b r) / b - expm1(r)] / alpha, and its log past r = 40
-    rn = tl.where(r <= 40.0, r, 0.0)
-    e1 = tl.where(b == 0, rn, expm1_64(b * rn) / safe_b)
-    near = log64(tl.maximum((exp64(rn) * e1 - expm1_64(rn)) / a, 0.0))
-    rl = tl.where(r > 40.0, r, 41.0)
-    e1 = tl.where(b == 0, rl, expm1_64(b * rl) / safe_b)
-    near_large = rl + log64(e1 - 1.0 + exp64(-rl)) - log64(a)
-    # the expm1 form
-    rm = tl.where(size <= 40.0, r, 0.0)
-    den = tl.where(b == 0, 1.0, a * b)
-    moderate = log64(tl.maximum((expm1_64(a * rm) - a * expm1_64(rm)) / den, 0.0))
-    # max-shifted log |e^(alpha r) - alpha e^r + (alpha - 1)| - log |alpha (alpha - 1)|
-    t1 = a * r
-    t2 = log64(tl.abs(a)) + r
-    t3 = log64(tl.abs(b))
-    top = tl.maximum(tl.maximum(t1, t2), t3)
-    top = tl.where(isfinite64(top), top, 0.0)
-    mixed = exp64(t1 - top) - sign64(a) * exp64(t2 - top) + sign64(b) * exp64(t3 - top)
-    far = top + log64(tl.abs(mixed)) - log64(tl.where(b == 0, 1.0, tl.abs(a * b)))
-    out = tl.where(size <= 0.25, series,
-                   tl.where(near_one, tl.where(r <= 40.0, near, near_large),
-                            tl.where(size <= 40.0, moderate, far)))
+    if any_of(near_one):
+        # [e^r expm1(b r) / b - expm1(r)] / alpha, and its log past r = 40
+        rn = tl.where(r <= 40.0, r, 0.0)
+        e1 = tl.where(b == 0, rn, expm1_64(b * rn) / safe_b)
+        near = log64(tl.maximum((exp64(rn) * e1 - expm1_64(rn)) / a, 0.0))
+        rl = tl.where(r > 40.0, r, 41.0)
+        e1 = tl.where(b == 0, rl, expm1_64(b * rl) / safe_b)
+        near_large = rl + log64(e1 - 1.0 + exp64(-rl)) - log64(a)
+        out = tl.where(near_one, tl.where(r <= 40.0, near, near_large), out)
+    if any_of(other & (size <= 40.0)):  # the expm1 form
+        rm = tl.where(size <= 40.0, r, 0.0)
+        den = tl.where(b == 0, 1.0, a * b)
+        moderate = log64(tl.maximum((expm1_64(a * rm) - a * expm1_64(rm)) / den, 0.0))
+        out = tl.where(other & (size <= 40.0), moderate, out)
+    if any_of(other & (size > 40.0)):
+        # max-shifted log |e^(alpha r) - alpha e^r + (alpha - 1)| - log |alpha (alpha - 1)|
+        t1 = a * r
+        t2 = log64(tl.abs(a)) + r
+        t3 = log64(tl.abs(b))
+        top = tl.maximum(tl.maximum(t1, t2), t3)
+        top = tl.where(isfinite64(top), top, 0.0)
+        mixed = exp64(t1 - top) - sign64(a) * exp64(t2 - top) + sign64(b) * exp64(t3 - top)
+        far = top + log64(tl.abs(mixed)) - log64(tl.where(b == 0, 1.0, tl.abs(a * b)))
+        out = tl.where(other & (size > 40.0), far, out)
     out = tl.where(rho == float("-inf"), tl.where(a > 0, -log64(tl.abs(a)), float("inf")), out)
     return tl.where(rho == float("inf"), float("inf"), out)
 
