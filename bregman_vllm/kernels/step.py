@@ -434,17 +434,17 @@ def _search_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
 # ----------------------------------------------------------------------------- 5. write
 
 
-@triton.jit(do_not_specialize=["stride", "out_stride", "width"])
+@triton.jit(do_not_specialize=["stride", "out_stride", "width", "skip_needs"])
 def _write_kernel(scores_ptr, out_ptr, stride, out_stride, vocab, index_ptr, values_ptr,
                   k_ptr, mode_ptr, needs_ptr, shift_ptr, bound_ptr, found_ptr, found_values_ptr,
-                  width, IN_PLACE: tl.constexpr, SKIP_NEEDS: tl.constexpr,
-                  LOGITS: tl.constexpr, K: tl.constexpr, TILE: tl.constexpr):
+                  width, skip_needs, IN_PLACE: tl.constexpr, LOGITS: tl.constexpr,
+                  K: tl.constexpr, TILE: tl.constexpr):
     """One row's chunk of the output (`write.write_support`, `step._finish`): ``mode`` 1 the
     window's values (K candidates), 3 the search's (``width`` candidates, ``found_*``), 2 the
     keep-all shift."""
     row = tl.program_id(0).to(tl.int64)
     mode = tl.load(mode_ptr + row).to(tl.int32)
-    if SKIP_NEEDS:
+    if skip_needs != 0:  # (rows left to the host: untouched)
         mode = tl.where(tl.load(needs_ptr + row) != 0, 0, mode)
     per = tl.cdiv(vocab, tl.num_programs(1))
     first = tl.program_id(1) * per
@@ -619,7 +619,9 @@ def decode(scores: Tensor, table: RowTable, layout: Layout, *, logits: bool,
         candidates, host = search_width(layout.reach, vocab)
         found = _workspace(n, blocks, candidates, scores.dtype, device, search=True)
         _search_pass(scores, space, found, k, mapping, columns, candidates, logits, host)
-    _write(scores, out, k, space, width, logits, inplace, skip_needs=True, found=found)
+    # (rows still flagged are the host's; without a hand-off none can be, and one that still
+    # were would get the window's answer rather than be left as it came)
+    _write(scores, out, k, space, width, logits, inplace, skip_needs=host, found=found)
     if not host:
         return KernelStep(out, k, 0, 0)
     uncertified, family = hand_off(out, scores, k, space, table, mapping, width,
@@ -679,8 +681,8 @@ def _write(scores: Tensor, out: Tensor, k: Tensor, space: _Workspace, width: int
     _launch(_write_kernel, (n, splits), scores, out, scores.stride(0), out.stride(0), vocab,
             space.index, space.values, k, space.mode if mode is None else mode, space.needs,
             space.shift, space.bound, searched.index, searched.values,
-            0 if found is None else found.x.shape[1], IN_PLACE=inplace,
-            SKIP_NEEDS=skip_needs, LOGITS=logits, K=width, TILE=1024, num_warps=4)
+            0 if found is None else found.x.shape[1], int(skip_needs), IN_PLACE=inplace,
+            LOGITS=logits, K=width, TILE=1024, num_warps=4)
 
 
 def hand_off(out: Tensor, scores: Tensor, k: Tensor, space: _Workspace, table: RowTable,
