@@ -647,3 +647,22 @@ def test_the_support_bound_holds(mode):
             assert int(k.max()) <= bound, (alpha, lam, k, bound)
             tight += int(k.max()) == bound
     assert tight >= 3
+
+
+def test_a_nan_from_the_search_is_never_written(monkeypatch, counted):
+    """Should the search's map come out NaN, the row is not written with it: without a
+    hand-off an exact-family row stays as it came (k = 0) and the other rows are decoded;
+    with one, the host's exact path decodes it."""
+    def broken(dual, closed, alpha, lam, x, log_x, deficit, low, limit, positions, C):
+        return low, tl.full([C], float("nan"), tl.float64), low >= 0
+
+    monkeypatch.setattr(kernel_step, "search_row", broken)
+    configs = [IN_WINDOW[0], NARROW["kl"]]
+    g = torch.Generator().manual_seed(30)
+    scores = torch.randn(2, 1024, generator=g) * 3.0
+    got = decode_step(scores.clone(), plan_of(configs, 1024), logits=True, backend="triton")
+    assert counted["hand_offs"] == 0 and int(got.k[0]) == 0 and int(got.k[1]) > 0
+    assert torch.equal(got.out[0], scores[0])
+    configs = [{"bregman_alpha": 1.05, "bregman_lambda": 1e-6}]  # (its reach passes C: host)
+    got, _ = _step(torch.randn(1, 1024, generator=g), configs)
+    assert counted["hand_offs"] == 1

@@ -376,7 +376,8 @@ def _search_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
     `search.search_row`; the values to write (``mode`` 3). A row it cannot decide on its
     candidates (k* past them while the row could grow past them) keeps ``needs`` for the host
     (``host`` 1: its certified lower bound in ``low``); with ``host`` 0 (the layout knows no
-    row can need that) it is written with the map of its lower bound."""
+    row can need that) it is written with the map of its lower bound. A map with a NaN is not
+    written (the row stays flagged: the host's, or the window's answer, or left as it came)."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(needs_ptr + row) == 0:
         return
@@ -418,7 +419,10 @@ def _search_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
         if ~done & (host == 0):
             k = tl.minimum(k, C)
             log_q = fixed_map(dual, closed, alpha, log_x, deficit, k, positions, C)
-    if done | (host == 0):
+    # (a NaN is never written: the row stays flagged, for the host or as the window left it)
+    bad = tl.max((log_q != log_q).to(tl.int32), axis=0) > 0
+    done = done & ~bad
+    if (done | (host == 0)) & ~bad:
         if LOGITS:
             tl.store(values_ptr + where, log_q * temperature)
         else:
