@@ -897,12 +897,13 @@ def decide_gap(dual, log_p, alpha, log_lam, m, log_q, lift, log_q_next, lift_nex
 @device
 def settle(dual, kind, closed, log_p, lp, finite, deficit, alpha, log_lam, low, high, s, z,
            positions, C: tl.constexpr):
-    """`search._settle`: the smallest k in [low, high] with G(k) <= lambda (or high) by exact
-    gaps: where at most `SETTLE` sizes are left, the gap at the bracket's low end (the next
-    size's map is the one kept); else one gap at the size where log G, interpolated in log k
-    between the bracket's ends, meets log lambda (regula falsi, the geometric middle while an
-    end has no value), kept in the bracket's middle half. Returns (k, the map T_k normalized
-    where a gap's maps held it, whether they did)."""
+    """`search._settle` (and `search._pair`): the smallest k in [low, high] with G(k) <= lambda
+    (or high) by exact gaps: where at most `SETTLE` sizes are left, the gap at the bracket's
+    low end (the next size's map is the one kept); else one gap at the size where log G,
+    interpolated in log k between the bracket's ends, meets log lambda (regula falsi, the
+    geometric middle while an end has no value), kept in the bracket's middle half. Each gap
+    G(m) from the map of m + 1 first (its own bound), then that of m. Returns (k, the map T_k
+    normalized where a gap's maps held it, whether they did)."""
     below = tl.full((), float("nan"), tl.float64)  # log G(low - 1) > log lambda
     above = below  # log G(high) <= log lambda
     held = low * 0 - 1  # the size of the map in hand (``held_*``)
@@ -925,13 +926,18 @@ def settle(dual, kind, closed, log_p, lp, finite, deficit, alpha, log_lam, low, 
             m = tl.minimum(tl.maximum((guess + 0.5).to(tl.int64), low + quarter),
                            high - 1 - quarter)
         m = tl.minimum(tl.minimum(m, high - 1), C - 1)  # (T_(m + 1) exists)
-        if held != m:
-            held_s, held_q, held_lift, held_z = solve_map(
-                kind, closed, log_p, lp, finite, alpha, deficit, m, held_s, held_z, positions, C)
+        # The map of m + 1 first: its own bound G(m) >= w_(m+1)(s_(m+1)) > lambda decides
+        # most such gaps without the map of m (`search._pair`).
         s_next, q_next, lift_next, z_next = solve_map(
             kind, closed, log_p, lp, finite, alpha, deficit, m + 1, held_s, held_z, positions, C)
-        value = decide_gap(dual, log_p, alpha, log_lam, m, held_q, held_lift, q_next,
-                           lift_next, positions)
+        value = log_entry_term(dual, at(log_p, positions, m), at(q_next, positions, m), alpha)
+        if value <= log_lam:
+            if held != m:
+                held_s, held_q, held_lift, held_z = solve_map(
+                    kind, closed, log_p, lp, finite, alpha, deficit, m, s_next, z_next,
+                    positions, C)
+            value = decide_gap(dual, log_p, alpha, log_lam, m, held_q, held_lift, q_next,
+                               lift_next, positions)
         if value > log_lam:
             low = m + 1
             below = value
