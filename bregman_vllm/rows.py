@@ -29,14 +29,13 @@ candidate width (``width``: 64, or 256 for the closed-form families at small lam
 sizes above 64, `families.window_width`), whether some row may need the search (``flags``:
 the window may hand it over, `families.may_flag`; or the route column says only the search
 decodes it, `families.route`) and how many candidates the search needs to decide it
-(``reach``: the fixed size, or min(k_max, `support_bound` + 1)).
+(``reach``: the fixed size, or min(k_max, `families.support_bound` + 1)).
 
 Imports only torch and numpy (the kernels, `bregman_vllm.kernels`, import Triton).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,6 +50,7 @@ from .core.families import (
     may_flag,
     newton_iterations,
     route,
+    support_bound,
     width_class,
     window_width,
 )
@@ -76,28 +76,6 @@ COLUMNS: tuple[tuple[str, torch.dtype], ...] = (
 _HOST = (("width", np.int32), ("flags", np.bool_), ("reach", np.int64))
 
 
-def support_bound(mode: str, alpha: float, lam: float) -> int:
-    """An upper bound on k* from the parameters alone (adaptive rows; `UNBOUNDED` where none is
-    known): G(k - 1) <= w(p_k, s_(k-1)) by weak duality (`gaps.log_entry_term`), and at the
-    scalar of T_(k-1) the entry p_k gets at most what each of the k - 1 entries of the support
-    gets (q is increasing in p at a fixed scalar, eqs. (4) and (5)), so q_k <= 1 / (k - 1) and
-    G(k - 1) <= M (k - 1)^(-alpha) / alpha, with M = 1 (primal: w = q^alpha / alpha) or
-    max(beta, 1 / beta) (dual: w = q^beta [beta^2 (q - p) + p] / (alpha beta), beta = alpha -
-    1, 0 <= p <= q). k* - 1 has G(k* - 1) > lambda, hence k* - 1 < (M / (lambda alpha))^(1 /
-    alpha). (A stand-in for the lead's `families.support_bound`.)"""
-    if not (lam > 0.0 and math.isfinite(alpha) and alpha > 0.0):
-        return UNBOUNDED
-    scale = 0.0
-    if mode == "dual":
-        if alpha <= 1.0:
-            return UNBOUNDED
-        scale = abs(math.log(alpha - 1.0))
-    log_bound = (scale - math.log(lam) - math.log(alpha)) / alpha
-    if log_bound > 60.0 * math.log(2.0):
-        return UNBOUNDED
-    return math.floor(math.exp(log_bound) * (1.0 + 1e-9)) + 1
-
-
 @dataclass(frozen=True)
 class Row:
     """One row's entries of every column (see the module docstring)."""
@@ -121,10 +99,11 @@ class Row:
         way = route(family, fixed, size)
         if way == Route.KEEP:
             return cls(family, fixed, size, alpha, lam, mode, way, 0, False)
-        width = window_width(family, lam, fixed, size)
-        flags = way == Route.WINDOW and may_flag(family, fixed, size, width)
-        # (k* <= bound: the search decides it on bound + 1 candidates, `search._sizes`)
-        reach = size if fixed else min(size, support_bound(mode, alpha, lam) + 1)
+        # (k* <= bound: the window or the search decides it on bound + 1 candidates)
+        largest = size if fixed else min(size, support_bound(mode, alpha, lam) + 1)
+        width = window_width(family, lam, fixed, largest)
+        flags = way == Route.WINDOW and may_flag(family, fixed, largest, width)
+        reach = largest
         return cls(family, fixed, size, alpha, lam, mode, way, width_class(width), flags,
                    min(reach, UNBOUNDED))
 

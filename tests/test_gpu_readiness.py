@@ -551,18 +551,16 @@ def test_failures_reach_the_prometheus_counter(monkeypatch):
 # ----------------------------------------------------------------------------- memory
 
 
-#: Launched ops and host syncs of the exact path's worst cases at [4, 8192] (one call, eager),
-#: at most: the GPU's launches and syncs counted on the CPU, a regression guard. Measured
-#: 2026-11-27 (launches, syncs): the attack 3870, 126 (4432, 208 before the first probe's
-#: bisection took two steps at a time, the series' moments became one matrix product and the
-#: search's selections one host read each); dual a=20 4300, 129 (4873, 203); primal a=3 3029,
-#: 103 (3492, 170).
+#: Launched ops and host syncs of the search's worst cases at [4, 8192] (one call, eager), at
+#: most: the GPU's launches and syncs counted on the CPU, a regression guard. Measured
+#: 2026-11-28 (launches, syncs): the attack 4252, 119; dual a=20 5046, 131; primal a=3 2512, 68
+#: (`core.search`: probes on the multiplier, the dual's first ones steering on shaped roots).
 EXACT_PATH_COUNTS = {
     "attack: realistic dual a=10 lam=1e-100": ((3.0, 7.0), dict(alpha=10.0, lam=1e-100,
-                                                                mode="dual"), 4000, 130),
+                                                                mode="dual"), 4700, 130),
     "realistic dual a=20 lam=1e-240": ((3.0, 7.0), dict(alpha=20.0, lam=1e-240, mode="dual"),
-                                       4450, 135),
-    "flat primal a=3 lam=1e-12": ((0.3, 0.3), dict(alpha=3.0, lam=1e-12), 3100, 110),
+                                       5550, 145),
+    "flat primal a=3 lam=1e-12": ((0.3, 0.3), dict(alpha=3.0, lam=1e-12), 2800, 75),
 }
 
 

@@ -36,7 +36,7 @@ from bregman_vllm.backend import decode as decode_step
 from bregman_vllm.core import search
 from bregman_vllm.core.candidates import candidates
 from bregman_vllm.core.dual import dual_range, dual_values
-from bregman_vllm.core.families import Family
+from bregman_vllm.core.families import Family, support_bound
 from bregman_vllm.core.gaps import dual_log_gap, log_entry_term, primal_log_gap
 from bregman_vllm.core.maps import log_deficit, solved
 from bregman_vllm.core.numerics import bregman_alpha_kernel
@@ -45,7 +45,6 @@ from bregman_vllm.diagnostics import DispatchCounter
 from bregman_vllm.kernels import search as ks
 from bregman_vllm.kernels import step as kernel_step
 from bregman_vllm.kernels.formulas import DUAL_THREE, DUAL_THREE_HALVES, at
-from bregman_vllm.rows import support_bound
 
 from . import reference_search as rs
 from .test_kernels import NARROW, WIDE, _context, model_logits, plan_of, probabilities
@@ -444,7 +443,7 @@ def _reference(logits, config, temperature=1.0):
                             k_max=config.get("bregman_k_max"), temperature=temperature)
 
 
-#: The general maps, adaptive with k* bounded by the parameters (`rows.support_bound`) or a
+#: The general maps, adaptive with k* bounded by the parameters (`families.support_bound`) or a
 #: cap within the window, and at fixed sizes (alpha < 0 too).
 IN_WINDOW = [
     {"bregman_alpha": 10.0, "bregman_lambda": 1e-3},
@@ -629,7 +628,7 @@ def test_a_row_the_search_cannot_decide_without_the_host_is_still_written(monkey
 
 @pytest.mark.parametrize("mode", ["primal", "dual"])
 def test_the_support_bound_holds(mode):
-    """`rows.support_bound` (whether a row can need the host: the search decides it on bound + 1
+    """`families.support_bound` (whether a row can need the host: the search decides it on bound + 1
     candidates) against the independent reference's k* on rows from near-uniform to peaked:
     never below, and tight at large alpha (dual alpha > 2 needs its factor beta there)."""
     alphas = (0.5, 0.8, 1.05, 1.5, 3.0, 10.0) if mode == "primal" else (1.2, 1.5, 3.0, 4.0,

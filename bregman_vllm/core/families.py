@@ -46,6 +46,8 @@ import math
 
 import torch
 
+from .candidates import UNBOUNDED
+
 Tensor = torch.Tensor
 
 #: Primal alphas (besides the closed forms) solved by the linear-space Newton of `window`:
@@ -144,10 +146,33 @@ def width_class(width: int) -> int:
     return WINDOW if width <= WINDOW else WIDE_WINDOW
 
 
+def support_bound(mode: str, alpha: float, lam: float) -> int:
+    """An upper bound on k* from the parameters alone (adaptive rows; `UNBOUNDED` where none is
+    known): G(k - 1) <= w(p_k, s_(k-1)) by weak duality (`gaps.log_entry_term`), and at the
+    scalar of T_(k-1) the entry p_k gets at most what each of the k - 1 entries of the support
+    gets (q is increasing in p at a fixed scalar, eqs. (4) and (5)), so q_k <= 1 / (k - 1) and
+    G(k - 1) <= M (k - 1)^(-alpha) / alpha, with M = 1 (primal: w = q^alpha / alpha) or
+    max(beta, 1 / beta) (dual: w = q^beta [beta^2 (q - p) + p] / (alpha beta), beta = alpha -
+    1, 0 <= p <= q). k* - 1 has G(k* - 1) > lambda, hence k* - 1 < (M / (lambda alpha))^(1 /
+    alpha). Tested against the independent reference (tests/test_kernel_search.py)."""
+    if not (lam > 0.0 and math.isfinite(alpha) and alpha > 0.0):
+        return UNBOUNDED
+    scale = 0.0
+    if mode == "dual":
+        if alpha <= 1.0:
+            return UNBOUNDED
+        scale = abs(math.log(alpha - 1.0))
+    log_bound = (scale - math.log(lam) - math.log(alpha)) / alpha
+    if log_bound > 60.0 * math.log(2.0):
+        return UNBOUNDED
+    return math.floor(math.exp(log_bound) * (1.0 + 1e-9)) + 1
+
+
 def may_flag(family: Family, fixed: bool, size: int, width: int) -> bool:
     """Whether a window row may be handed to the search (the step then syncs once): adaptive
-    rows whose cap passes the window, and iterative fixed sizes above `WINDOW` (whose
-    certificates the window computes there)."""
+    rows whose largest support (``size``: the cap, and `support_bound`, the smaller) passes the
+    window, and iterative fixed sizes above `WINDOW` (whose certificates the window computes
+    there)."""
     if fixed:
         return family in ITERATIVE_FAMILIES and size > WINDOW
     return size > width

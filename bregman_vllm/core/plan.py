@@ -35,6 +35,7 @@ from .families import (
     may_flag,
     newton_iterations,
     route,
+    support_bound,
     width_class,
     window_width,
 )
@@ -422,7 +423,9 @@ def _group(family: Family, mode: str, fixed: bool, rows: Tensor | None, count: i
         bounded, flags = True, may_flag(family, True, width, width)
     else:
         cap_values = [c if c > 0 else UNBOUNDED for c in caps]
-        largest = min(max(cap_values), vocab)  # no support is larger than the vocabulary
+        # No support is larger than the vocabulary, or than k*'s bound from the parameters.
+        largest = min(max(min(cap, support_bound(mode, a, lm) + 1) for cap, a, lm
+                          in zip(cap_values, alphas, lams, strict=True)), vocab)
         width = window_width(family, min(lams), False, largest)
         flags = may_flag(family, False, largest, width)
         bounded = not flags

@@ -28,7 +28,7 @@ order:
    program per row): the torch search's algorithm (`kernels.search`, `core.search`: the floor
    of the gaps, probes on the multiplier, exact gaps, the map of k*) in float64, or a fixed
    size's map, or the closed-form gaps over C; C is 64 or 256 for rows bounded there (their
-   cap, or `rows.support_bound`), else `SEARCH_WIDTH` (`search_width`);
+   cap, or `families.support_bound`), else `SEARCH_WIDTH` (`search_width`);
 5. `_write_kernel` (row x vocabulary chunk): -inf (or 0) off the support, the values on it (the
    window's, or the search's), in place on the logits (or into a new tensor: rows not decoded
    copied); keep-all rows (lambda -> 0) shifted by T times their log-normalizer; rows not
