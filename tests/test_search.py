@@ -242,6 +242,22 @@ def test_the_search_takes_a_bounded_number_of_ops(kind, kwargs, launches, syncs)
     assert k.tolist() == want.k.tolist()
 
 
+def test_a_row_whose_probes_point_past_a_rounds_candidates_goes_on_in_a_wider_one():
+    """A row whose k* lies just past a round's candidates (here 4908, past 4096): once an exact
+    probe's scalar is below every candidate size's, the probes cannot settle it there (its
+    residual is not known past them) and it goes on in the next round. Without that, its
+    probes cycled between two scalars until the probe limit, then settled the rest of the round
+    by exact gaps: 28,920 launched ops for the row (measured), 5,350 with it."""
+    g = torch.Generator().manual_seed(0)
+    scale = 3.0 + 4.0 * torch.rand(8, 1, generator=g)
+    row = (torch.randn(8, 49152, generator=g) * scale)[6:7]  # (the sweep's peaked rows)
+    with DispatchCounter() as counter:
+        _, k = bregman_decode_logits(row, return_k=True, alpha=20.0, lam=1e-140, mode="dual")
+    want = rs.decode_logits(row.double().numpy(), 20.0, 1e-140, "dual")
+    assert k.tolist() == want.k.tolist() and 4096 < int(k[0]) < 32768, k
+    assert counter.launches <= 8000, counter.launches
+
+
 def test_a_round_is_no_wider_than_its_rows_sizes_need(monkeypatch):
     """Rows held to k_max = 1024 (a server's default bound) take one round of 1024 candidates
     after the window's, not a wider one; rows without a bound grow to the whole row."""

@@ -241,12 +241,14 @@ class _Walk(NamedTuple):
 
 
 def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tensor,
-            high: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+            high: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
     """Probes on the multiplier (module docstring, step 3) for rows of one kind, until their
     bracket [low, high] of k* is one size wide, or at most `SETTLE` wide and no longer
     narrowing (or three probes in a row: ties, where the weak-duality bounds cannot part the
-    sizes and exact gaps do), or known to pass the candidates. Returns (low, high, the last
-    probe's scalar per row and the dual's inner unknowns there: warm starts for the maps)."""
+    sizes and exact gaps do), or known to pass the candidates, or pointed past them (an exact
+    probe whose scalar lies below every candidate size's). Returns (low, high, the last
+    probe's scalar per row and the dual's inner unknowns there: warm starts for the maps, which
+    rows were pointed past the candidates: they go on in a wider round)."""
     n, width = rows.p.shape
     low, high = low.clone(), high.clone()
     top_size = torch.minimum(high, torch.full_like(high, width)).sub(1).clamp_min(1)
@@ -262,6 +264,7 @@ def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tenso
                  torch.zeros_like(low, dtype=torch.bool), torch.zeros_like(low))
     sub, start, steps = rows, None, 0  # (the first probes of the dual only steer: `_values`)
     full = columns = width
+    wider = torch.zeros_like(low, dtype=torch.bool)
     for probe in range(PROBES):
         found = _probe(mode, kind, family, sub, walk.s, start, steps)
         i, s = walk.index, walk.s
@@ -292,7 +295,11 @@ def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tenso
         fallback = torch.where(found.exact, s_low + share * (s_high - s_low), s)
         walk = _Walk(i, torch.where(inside, proposal, fallback), s_low, s_high, d_low, d_high,
                      above, stale)
-        go = (hi - lo > 1) & (narrowed | ((hi - lo > SETTLE) & (stale < 3))) \
+        # (an exact probe at the end of the whole candidates, with the bracket past them: D
+        # is not known there, and the probes cannot settle a k* past the candidates)
+        past = found.exact & (hi > width) & (found.size >= width - 1) & (columns == full)
+        wider[i] = past
+        go = (hi - lo > 1) & (narrowed | ((hi - lo > SETTLE) & (stale < 3))) & ~past \
             & (s_high - s_low > 1e-14 * (1.0 + s.abs())) & ((hi <= width) | (lo < width - 1))
         keep = go.nonzero().squeeze(-1)
         if keep.numel() == 0:
@@ -319,7 +326,7 @@ def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tenso
                 start = torch.nn.functional.pad(start[keep, :columns],
                                                 (0, columns - min(columns, start.shape[-1])),
                                                 value=math.nan)
-    return low, high, last, state
+    return low, high, last, state, wider
 
 
 # ----------------------------------------------------------------------------- 4. exact gaps
@@ -473,9 +480,11 @@ def _sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor
         return k, cache, cached, done
     s = state = None
     if plan.generator is None:
-        lo, hi, s, state = _search_rows(plan, sub, a, lm, lo, hi)
+        lo, hi, s, state, wider = _search_rows(plan, sub, a, lm, lo, hi)
     # Every row settles inside this round but those whose k* is known to pass it.
     past = (hi > width) & (lo >= width - 1)
+    if plan.generator is None:
+        past |= wider
     hi = torch.minimum(hi, torch.full_like(hi, width))
     found = lo.clone()
     part = (~past).nonzero().squeeze(-1)
@@ -495,10 +504,10 @@ def _sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor
 
 
 def _search_rows(plan: ExactPlan, cand: Candidates, alpha: Tensor, lam: Tensor, lo: Tensor,
-                 hi: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+                 hi: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
     """The floor of the gaps and the probes (`_search`, per kind of scalar) for adaptive rows
-    with multipliers. Returns their bracket of k* and warm starts for the maps of `_settle`:
-    scalar, (dual) inner unknowns."""
+    with multipliers. Returns their bracket of k*, warm starts for the maps of `_settle`
+    (scalar, dual inner unknowns) and which rows the probes pointed past the candidates."""
     width = cand.x.shape[-1]
     # Which scalar each row's map has: 0 the dual's log nu, 1 the primal's water level (alpha >
     # 1), 2 the primal's log delta (alpha < 1).
@@ -513,6 +522,7 @@ def _search_rows(plan: ExactPlan, cand: Candidates, alpha: Tensor, lam: Tensor, 
         (floor > (rows.log_lam + tolerance).unsqueeze(-1)).sum(-1), hi))
     s = torch.full_like(alpha, math.nan)  # (no warm start for rows without probes)
     state = torch.full_like(cand.x, math.nan) if plan.mode == "dual" else None
+    wider = torch.zeros_like(lo, dtype=torch.bool)
     for kind in kinds.unique().tolist():
         # (rows whose k* is known to pass the candidates wait for a wider round)
         part = ((kinds == kind) & (hi - lo > 1) & ((hi <= width) | (lo < width - 1))
@@ -525,7 +535,8 @@ def _search_rows(plan: ExactPlan, cand: Candidates, alpha: Tensor, lam: Tensor, 
         s[part] = got[2].exp() if kind == 2 else got[2]
         if got[3] is not None:
             state[part] = got[3]
-    return lo, hi, s, state
+        wider[part] = got[4]
+    return lo, hi, s, state, wider
 
 
 def _final_maps(plan: ExactPlan, cand: Candidates, k: Tensor, alpha: Tensor, cache: Tensor,

@@ -589,9 +589,10 @@ def probes(dual, kind, closed, log_p, lp, finite, p, deficit, alpha, log_lam, lo
            positions, C: tl.constexpr):
     """`search._search`: probes on the multiplier for one row until its bracket [low, high] of
     k* is one size wide, or at most `SETTLE` wide and no longer narrowing (or three probes in
-    a row), or known to pass the candidates; each next s a Newton step on D inside the bracket
-    of s its signs keep, else Illinois regula falsi. Returns (low, high, the last probe's
-    scalar, the dual's inner unknowns there)."""
+    a row), or known to pass the candidates, or pointed past them; each next s a Newton step
+    on D inside the bracket of s its signs keep, else Illinois regula falsi. Returns (low,
+    high, the last probe's scalar, the dual's inner unknowns there, whether an exact probe's
+    scalar lay below every candidate size's with k* possibly past them)."""
     beta = alpha - 1.0
     top_size = tl.maximum(tl.minimum(high, C) - 1, 1)
     s_low, _, s_high = scalar_range(kind, lp, finite, beta, deficit, top_size, positions)
@@ -610,8 +611,9 @@ def probes(dual, kind, closed, log_p, lp, finite, p, deficit, alpha, log_lam, lo
     columns = low * 0 + C
     count = tl.full((), 0, tl.int32)
     go = count == 0
+    wider = count != 0  # (False)
     while go:
-        found_low, found_high, _m, residual, step, exact, z_now, rate = probe(
+        found_low, found_high, m, residual, step, exact, z_now, rate = probe(
             dual, kind, closed, log_p, lp, finite, p, deficit, alpha, log_lam, s, z, steps,
             columns, positions)
         # (the counts bound k* without the cap; a capped row's k* is min(k*, cap), Theorem 3.3)
@@ -642,7 +644,9 @@ def probes(dual, kind, closed, log_p, lp, finite, p, deficit, alpha, log_lam, lo
         fallback = tl.where(exact, s_low + share * (s_high - s_low), s)
         s_next = tl.where(inside, proposal, fallback)
         count += 1
-        go = (hi - lo > 1) & (narrowed | ((hi - lo > SETTLE) & (stale < 3))) & \
+        # (D is not known past the candidates: the probes cannot settle a k* there)
+        wider = exact & (hi > C) & (m >= C - 1) & (columns == C)
+        go = (hi - lo > 1) & (narrowed | ((hi - lo > SETTLE) & (stale < 3))) & ~wider & \
             (s_high - s_low > 1e-14 * (1.0 + tl.abs(s))) & ((hi <= C) | (lo < C - 1)) & \
             (count < PROBES)
         if (kind == 0) & (closed == 0):
@@ -654,7 +658,7 @@ def probes(dual, kind, closed, log_p, lp, finite, p, deficit, alpha, log_lam, lo
         solve = (tl.abs(residual) < STEER) | (count >= STEERING)
         steps = tl.where(steps > 0, PROBE_STEPS, tl.where(solve, INNER_STEPS, 0))
         s = s_next
-    return low, high, last, state
+    return low, high, last, state, wider
 
 
 # ----------------------------------------------------------------------------- maps
@@ -983,12 +987,13 @@ def search_row(dual, closed, alpha, lam, x, log_x, deficit, low, limit, position
     lo = tl.maximum(lo, tl.minimum(count, hi))
     s = tl.full((), float("nan"), tl.float64)
     z = tl.full([C], float("nan"), tl.float64)
+    wider = lo < 0  # (False)
     if (hi - lo > 1) & ((hi <= C) | (lo < C - 1)):
-        lo, hi, s, z = probes(dual, kind, closed, log_x, lp, finite, x, deficit, alpha,
-                              log_lam, lo, hi, positions, C)
+        lo, hi, s, z, wider = probes(dual, kind, closed, log_x, lp, finite, x, deficit, alpha,
+                                     log_lam, lo, hi, positions, C)
         if kind == 2:
             s = exp64(s)  # (the map's solver takes delta itself)
-    past = (hi > C) & (lo >= C - 1)
+    past = ((hi > C) & (lo >= C - 1)) | wider
     hi = tl.minimum(hi, C)
     k = lo
     log_q = tl.full([C], float("-inf"), tl.float64)
