@@ -65,6 +65,12 @@ FAMILIES: dict[str, dict] = {
     "top_k=50 a=-inf (argmax)": dict(alpha=-math.inf, lam=0.0, top_k=50),
     "top_k=50 a=3": dict(alpha=3.0, lam=0.0, top_k=50),
     "keep all (lam=0)": dict(alpha=1.5, lam=0.0),
+    # (the search pass: families without a window formula, supports past the window)
+    "primal a=10 lam=1e-3 (search)": dict(alpha=10.0, lam=1e-3),
+    "primal a=0.5 lam=1e-2 k_max=1024 (search)": dict(alpha=0.5, lam=1e-2, k_max=1024),
+    "dual a=1.2 lam=1e-2 (search)": dict(alpha=1.2, lam=1e-2, mode="dual"),
+    "dual a=4 lam=1e-3 (search)": dict(alpha=4.0, lam=1e-3, mode="dual"),
+    "primal a=1.5 lam=1e-6 k_max=1024 (search)": dict(alpha=1.5, lam=1e-6, k_max=1024),
     "mixed: every family, one batch": {},
 }
 #: The configurations the timed section runs.
@@ -75,6 +81,9 @@ FLAT: dict[str, dict] = {
     "primal a=1 lam=1e-5": dict(alpha=1.0, lam=1e-5),
     "primal a=3 lam=1e-9": dict(alpha=3.0, lam=1e-9),
     "dual a=3 lam=1e-9": dict(alpha=3.0, lam=1e-9, mode="dual"),
+    # (a server's default largest support: the search pass on the device, no hand-off)
+    "primal a=1.5 lam=1e-9 k_max=1024": dict(alpha=1.5, lam=1e-9, k_max=1024),
+    "dual a=3 lam=1e-9 k_max=1024": dict(alpha=3.0, lam=1e-9, mode="dual", k_max=1024),
 }
 
 
@@ -293,19 +302,64 @@ def recompiles(args) -> None:
           f"batch sizes 1 to {args.max_batch} (every family)")
 
 
-#: Triton types of the kernels' arguments (for `compile_only`).
+#: Triton types of the kernels' arguments (for `compile_only`; runtime integers as i32).
 _TYPES = dict(
     scores_ptr="*fp32", out_ptr="*fp32", stride="i32", out_stride="i32", vocab="i32",
-    blocks="i32", map_ptr="*i64", family_ptr="*i32", fixed_ptr="*i32", size_ptr="*i64",
-    alpha_ptr="*fp64", lam_ptr="*fp64", iterations_ptr="*i32", scale_ptr="*fp32",
-    temperature_ptr="*fp32", max_ptr="*fp32", mass_ptr="*fp32", x_ptr="*fp64",
-    log_x_ptr="*fp64", deficit_ptr="*fp64", index_ptr="*i64", total_ptr="*fp64",
-    valid_ptr="*i1", values_ptr="*fp32", k_ptr="*i64", mode_ptr="*i32", needs_ptr="*i1",
-    flagged_ptr="*i32", low_ptr="*i64", shift_ptr="*fp64", bound_ptr="*fp64")
+    blocks="i32", map_ptr="*i64", family_ptr="*i32", route_ptr="*i8", fixed_ptr="*i32",
+    size_ptr="*i64", alpha_ptr="*fp64", lam_ptr="*fp64", iterations_ptr="*i32",
+    scale_ptr="*fp32", temperature_ptr="*fp32", row_mode_ptr="*i8", max_ptr="*fp32",
+    mass_ptr="*fp32", x_ptr="*fp64", log_x_ptr="*fp64", deficit_ptr="*fp64",
+    index_ptr="*i64", total_ptr="*fp64", valid_ptr="*i1", values_ptr="*fp32", k_ptr="*i64",
+    mode_ptr="*i32", needs_ptr="*i1", flagged_ptr="*i32", low_ptr="*i64", shift_ptr="*fp64",
+    bound_ptr="*fp64", found_ptr="*i64", found_values_ptr="*fp32", width="i32",
+    skip_needs="i32", host="i32")
+
+
+def _variants(vocab: int, widths: list[int] | None = None
+              ) -> list[tuple[str, object, dict, int]]:
+    """Every (label, kernel, constexprs, warps) a processor's warm-up compiles for ``vocab``
+    float32 logits (`kernels.step.warm_up`): both windows, and the search pass at each of its
+    widths (``widths``: only those candidate counts)."""
+    import triton
+
+    from bregman_vllm.core.candidates import BLOCK, log_smallest, under_smallest
+    from bregman_vllm.kernels import step as kernel_step
+
+    blocks = triton.next_power_of_2(triton.cdiv(vocab, BLOCK))
+    smallest = under_smallest(torch.float32)
+
+    def select(width: int, gate: bool) -> dict:
+        return dict(LOGITS=True, K=width, KB=min(width, blocks), NBP=blocks,
+                    CHUNK=min(width, blocks, kernel_step.CHUNK), BLOCK=BLOCK,
+                    SMALLEST=smallest, GATE=gate)
+
+    out = [("read", kernel_step._read_kernel,
+            dict(LOGITS=True, TILE=kernel_step.TILE, BLOCK=BLOCK), 4)]
+    chosen = (lambda width: True) if not widths else (lambda width: width in widths)
+    for width in filter(chosen, (kernel_step.WINDOW, kernel_step.WIDE_WINDOW)):
+        out += [
+            (f"select K={width}", kernel_step._select_kernel, select(width, False), 8),
+            (f"decode K={width}", kernel_step._decode_kernel,
+             dict(LOGITS=True, K=width, W=kernel_step.WINDOW,
+                  LOG_SMALLEST=log_smallest(torch.float32)), 8),
+            (f"write K={width}", kernel_step._write_kernel,
+             dict(IN_PLACE=True, LOGITS=True, K=width, TILE=1024), 4)]
+    for width in sorted({kernel_step.search_width(reach, vocab)[0]
+                         for reach in kernel_step.SEARCH_WIDTHS}):
+        if not chosen(width):
+            continue
+        out += [(f"select C={width}", kernel_step._select_kernel, select(width, True), 8),
+                (f"search C={width}", kernel_step._search_kernel,
+                 dict(LOGITS=True, C=width), 8)]
+    return out
 
 
 def compile_only(args) -> None:
-    """Compile every variant a processor's warm-up compiles, for ``--arch``, with no GPU."""
+    """Compile every variant a processor's warm-up compiles, for ``--arch``, with no GPU: the
+    seconds each takes from an empty cache (the cold start's JIT, on this host's CPU) and its
+    registers and local memory (spills) per thread. Triton's type checks run here as on a GPU
+    (the interpreter skips them)."""
+    import os
     import subprocess
     import tempfile
 
@@ -313,46 +367,34 @@ def compile_only(args) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from bregman_vllm.core.candidates import BLOCK, log_smallest
     from bregman_vllm.kernels import step as kernel_step
 
     if kernel_step.INTERPRET:
         raise SystemExit("--only compile needs Triton without TRITON_INTERPRET")
-    blocks = triton.next_power_of_2(triton.cdiv(args.vocab, BLOCK))
     dump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    print(f"\nkernels compiled for sm_{args.arch} (no GPU), vocabulary {args.vocab}")
-    for width in (kernel_step.WINDOW, kernel_step.WIDE_WINDOW):
-        variants = [
-            (kernel_step._read_kernel, dict(LOGITS=True, TILE=kernel_step.TILE, BLOCK=BLOCK), 4),
-            (kernel_step._select_kernel, dict(
-                LOGITS=True, K=width, KB=min(width, blocks), NBP=blocks,
-                CHUNK=min(width, blocks, kernel_step.CHUNK), BLOCK=BLOCK,
-                SMALLEST=kernel_step._smallest(torch.float32)), 8),
-            (kernel_step._decode_kernel, dict(LOGITS=True, K=width, W=kernel_step.WINDOW,
-                                              LOG_SMALLEST=log_smallest(torch.float32)), 8),
-            (kernel_step._write_kernel, dict(IN_PLACE=True, SKIP_NEEDS=True, LOGITS=True,
-                                             K=width, TILE=1024), 4)]
-        for kernel, constexprs, warps in variants:
-            if kernel is kernel_step._read_kernel and width != kernel_step.WINDOW:
-                continue  # (no window-size parameter)
-            signature = {name: _TYPES[name] for name in kernel.arg_names
-                         if name not in constexprs}
-            began = time.perf_counter()
-            compiled = triton.compile(ASTSource(kernel, signature, constexprs),
-                                      target=GPUTarget("cuda", args.arch, 32),
-                                      options={"num_warps": warps})
-            seconds = time.perf_counter() - began
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-                cubin.write(compiled.asm["cubin"])
-                cubin.flush()
-                usage = subprocess.run([str(dump), "--dump-resource-usage", cubin.name],
-                                       capture_output=True, text=True).stdout
-            line = next((part for part in usage.splitlines() if "REG:" in part), "")
-            found = {key: value for key, value in (item.split(":") for item in line.split()
-                                                    if item.split(":")[0] in ("REG", "LOCAL"))}
-            print(f"  {kernel.fn.__name__:<16} K={width:<4} {seconds:6.1f} s  registers "
-                  f"{found.get('REG', '?'):>4}  local memory {found.get('LOCAL', '?')} bytes")
-
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-triton-cache-")
+    print(f"\nkernels compiled for sm_{args.arch} (no GPU), vocabulary {args.vocab}, from an "
+          "empty cache")
+    total = 0.0
+    for label, kernel, constexprs, warps in _variants(args.vocab, args.widths):
+        signature = {name: _TYPES[name] for name in kernel.arg_names if name not in constexprs}
+        began = time.perf_counter()
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs),
+                                  target=GPUTarget("cuda", args.arch, 32),
+                                  options={"num_warps": warps})
+        seconds = time.perf_counter() - began
+        total += seconds
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(compiled.asm["cubin"])
+            cubin.flush()
+            usage = subprocess.run([str(dump), "--dump-resource-usage", cubin.name],
+                                   capture_output=True, text=True).stdout
+        line = next((part for part in usage.splitlines() if "REG:" in part), "")
+        found = {key: value for key, value in (item.split(":") for item in line.split()
+                                                if item.split(":")[0] in ("REG", "LOCAL"))}
+        print(f"  {label:<16} {seconds:7.1f} s  registers {found.get('REG', '?'):>4}  "
+              f"local memory {found.get('LOCAL', '?')} bytes", flush=True)
+    print(f"  in all {total:.1f} s")
 
 
 SECTIONS = {"warm-up": warm_up, "exact": exactness, "time": timings, "flat": flat_cases,
@@ -379,6 +421,8 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--arch", type=int, default=90, help="--only compile: sm_ARCH")
+    parser.add_argument("--widths", type=int, nargs="*",
+                        help="--only compile: only these candidate widths (default: all)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes, 1 repeat (the CPU under the interpreter)")
     args = parser.parse_args()

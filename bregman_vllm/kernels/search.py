@@ -826,7 +826,7 @@ def solve_map(kind, closed, log_p, lp, finite, alpha, deficit, k, start, z, posi
     if log_r == float("-inf"):
         s = tl.full((), float("-inf"), tl.float64)
         log_q = log_p
-        lift = tl.where(finite, 0.0, float("-inf"))
+        lift = tl.where(finite, 0.0, float("-inf")).to(tl.float64)
     elif kind == 1:
         s = level_map(lp, finite, beta, log_r, k, start, positions, C)
         log_q, _, lift = level_values(lp, finite, beta, s)
