@@ -71,8 +71,8 @@ from collections.abc import Callable
 import torch
 
 from bregman_vllm import bregman_decode, bregman_decode_logits
-from bregman_vllm.core.search import decode_exact, exact_plan
-from bregman_vllm.core.step import step_memory_bound
+from bregman_vllm.core.plan import exact_plan
+from bregman_vllm.core.step import decode_exact, step_memory_bound
 from bregman_vllm.diagnostics import DispatchCounter, MemoryTracker
 
 

@@ -18,12 +18,28 @@ import torch
 from bregman_vllm import bregman_decode, bregman_decode_logits, renormalize
 from bregman_vllm.core.dual import dual_log_renorm
 from bregman_vllm.core.families import Family
-from bregman_vllm.core.maps import log_renorm, renorm_rows
+from bregman_vllm.core.maps import log_renorm
+from bregman_vllm.core.plan import exact_plan, make_plan
 from bregman_vllm.core.primal import newton_log_renorm, support_mask, three_halves_log_renorm
-from bregman_vllm.core.search import decode_exact, exact_plan
+from bregman_vllm.core.step import decode_exact
 
 from . import reference as ref
 from . import reference_search as rs
+
+
+def renorm_rows(mode: str, log_p: torch.Tensor, k: torch.Tensor, alpha: torch.Tensor,
+                log_deficit: torch.Tensor) -> torch.Tensor:
+    """`maps.log_renorm` for rows of any alphas (fixed-k alphas), each row with the family the
+    plan gives it (`plan.make_plan`, one group per family)."""
+    plan = make_plan(mode, alpha.reshape(-1), 0.0, top_k=k.reshape(-1), batch_shape=k.numel(),
+                     vocab=log_p.shape[-1], device=log_p.device)
+    out = torch.full_like(log_p, -math.inf)
+    for group in plan.groups:
+        index = group.rows_or_all(log_p.device)
+        out[index] = log_renorm(group.family, mode, log_p[index], k[index], alpha[index],
+                                log_deficit[index])
+    return out
+
 
 F64 = torch.float64
 
@@ -409,7 +425,6 @@ def test_extreme_parameters_on_a_large_vocabulary_stay_cheap_and_finite(mode, al
     equal to the float64 decode; rows whose lambda cannot drop a token within the tolerance
     are the lambda -> 0 limit (`families.keeps_all`: every token kept, no search)."""
     from bregman_vllm.core.families import Family, keeps_all
-    from bregman_vllm.core.plan import make_plan
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 16384, generator=g) * torch.tensor([[0.3], [3.0], [5.0], [7.0]])

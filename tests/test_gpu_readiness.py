@@ -34,8 +34,8 @@ from bregman_vllm import bregman_decode, bregman_decode_logits
 from bregman_vllm.adapter import BregmanLogitsProcessor, telemetry
 from bregman_vllm.adapter import processor as processor_module
 from bregman_vllm.core import step as step_module
-from bregman_vllm.core.search import decode_exact, exact_plan
-from bregman_vllm.core.step import step_memory_bound
+from bregman_vllm.core.plan import exact_plan
+from bregman_vllm.core.step import decode_exact, step_memory_bound
 from bregman_vllm.diagnostics import MIXED_FAMILIES, DispatchCounter, MemoryTracker
 
 from .v2_state import v2_request_state

@@ -34,7 +34,6 @@ from bregman_vllm import engine_metrics as em
 from bregman_vllm.adapter import telemetry
 from bregman_vllm.adapter.processor import BregmanLogitsProcessor, request_params
 from bregman_vllm.backend import decode as decode_step
-from bregman_vllm.core import search
 from bregman_vllm.core.plan import plan_requests
 from bregman_vllm.diagnostics import DispatchCounter
 from bregman_vllm.kernels import step as kernel_step
@@ -227,7 +226,7 @@ def test_an_exact_path_failure_leaves_the_window_answer(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("simulated failure of the exact path")
 
-    monkeypatch.setattr(search, "decode_exact", broken)
+    monkeypatch.setattr(kernel_step, "decode_exact", broken)
     out = scores.clone()
     with pytest.raises(RuntimeError) as caught:
         decode_step(out, plan_of(configs, 1024), logits=True, inplace=True, backend="triton")

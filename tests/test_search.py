@@ -17,11 +17,13 @@ import pytest
 import torch
 
 from bregman_vllm import bregman_decode, bregman_decode_logits
-from bregman_vllm.core import dual, roots, search
+from bregman_vllm.core import dual, roots
+from bregman_vllm.core import step as torch_step
 from bregman_vllm.core.candidates import candidates
 from bregman_vllm.core.gaps import log_entry_term
 from bregman_vllm.core.generators import AlphaGenerator
 from bregman_vllm.core.maps import log_deficit, solved
+from bregman_vllm.core.plan import exact_plan
 from bregman_vllm.core.primal import normalized, support_mask
 from bregman_vllm.diagnostics import DispatchCounter
 
@@ -267,7 +269,7 @@ def test_a_round_is_no_wider_than_its_rows_sizes_need(monkeypatch):
         widths.append(width)
         return candidates(scores, width, **kwargs)
 
-    monkeypatch.setattr(search, "candidates", recorded)
+    monkeypatch.setattr(torch_step, "candidates", recorded)
     logits = _rows("flat", 2, 49152, 5)
     _, k = bregman_decode_logits(logits, alpha=2.5, lam=1e-12, mode="dual", k_max=1024,
                                  return_k=True)
@@ -278,21 +280,21 @@ def test_a_round_is_no_wider_than_its_rows_sizes_need(monkeypatch):
 
 
 def test_rows_handed_over_with_a_lower_bound_start_past_it():
-    """`search.decode_exact` on some rows only, with a certified lower bound on their k*
+    """`step.decode_exact` on some rows only, with a certified lower bound on their k*
     (what the window hands over): those rows get the same k* and maps as a call from scratch,
     the others are left as they are."""
     logits = _rows("realistic", 4, 4096, 9).double()
     alpha = torch.full((4,), 3.0, dtype=F64)
     lam = torch.full((4,), 1e-20, dtype=F64)
-    plan = search.exact_plan("primal", alpha, lam, torch.zeros(4, dtype=torch.long),
-                             torch.zeros(4, dtype=torch.long))
+    plan = exact_plan("primal", alpha, lam, torch.zeros(4, dtype=torch.long),
+                      torch.zeros(4, dtype=torch.long))
     want, k_want = logits.clone(), torch.zeros(4, dtype=torch.long)
-    search.decode_exact(want, k_want, logits, plan, logits=True)
+    torch_step.decode_exact(want, k_want, logits, plan, logits=True)
     assert bool((k_want > 64).all())
     got, k_got = logits.clone(), torch.zeros(4, dtype=torch.long)
     rows = torch.tensor([1, 3])
-    search.decode_exact(got, k_got, logits, plan, logits=True, rows=rows,
-                        low=torch.full((4,), 64))
+    torch_step.decode_exact(got, k_got, logits, plan, logits=True, rows=rows,
+                            low=torch.full((4,), 64))
     assert torch.equal(k_got[rows], k_want[rows]) and k_got[[0, 2]].tolist() == [0, 0]
     torch.testing.assert_close(got[rows], want[rows], rtol=0, atol=1e-12)
     assert torch.equal(got[[0, 2]], logits[[0, 2]])

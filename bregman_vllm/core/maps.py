@@ -18,7 +18,6 @@ from .candidates import Candidates
 from .dual import dual_log_renorm, dual_multiplier
 from .families import CLOSED_FORM_FAMILIES, QUADRATIC_DUAL_FAMILIES, Family
 from .generators import BregmanGenerator, generic_dual_renorm, generic_primal_renorm
-from .plan import make_plan
 from .primal import (
     closed_log_renorm,
     kl_log_renorm,
@@ -82,20 +81,6 @@ def log_renorm(family: Family | None, mode: str, log_p: Tensor, k: Tensor, alpha
     if rest.numel():
         out[rest] = _family_map(family, mode)(lp[rest], mk[rest], a[rest], ld[rest], kk[rest])
     return out.reshape(shape)
-
-
-def renorm_rows(mode: str, log_p: Tensor, k: Tensor, alpha: Tensor, log_deficit: Tensor
-                ) -> Tensor:
-    """`log_renorm` for rows of any alphas (``[n]``, validated as fixed-k alphas): each row
-    with its family, decided by the plan (`plan.make_plan`, one group per family)."""
-    plan = make_plan(mode, alpha.reshape(-1), 0.0, top_k=k.reshape(-1), batch_shape=k.numel(),
-                     vocab=log_p.shape[-1], device=log_p.device)
-    out = torch.full_like(log_p, -math.inf)
-    for group in plan.groups:
-        index = group.rows_or_all(log_p.device)
-        out[index] = log_renorm(group.family, mode, log_p[index], k[index], alpha[index],
-                                log_deficit[index])
-    return out
 
 
 def solved(family: Family | None, mode: str, log_p: Tensor, k: Tensor, alpha: Tensor,

@@ -2,19 +2,18 @@
 
 Rows reach it when the window (`window`, or the kernels') could not certify them (k* past the
 window, a near-tie within rounding, a Newton solve that had not converged), for the families
-without a window formula (`families`), and for user generators. It is the reference the
-window and the kernels are tested against. Paper: arXiv 2505.19371; cost(k) (eq. (6)) is
+without a window formula (`families`), and for user generators; `step.decode_exact` feeds it
+rounds of candidates (the W largest entries of each row, sorted, with the deficits R_k of every
+size; wider rounds for rows whose k* passes them) and writes what it finds. It is the reference
+the window and the kernels are tested against. Paper: arXiv 2505.19371; cost(k) (eq. (6)) is
 discretely convex (Theorem 3.3), so with the gaps G(k) = cost(k) - cost(k + 1) + lambda
 (`gaps`) k* = min {k : G(k) <= lambda}, ties to the smaller support (Algorithm 2).
 
-Pipeline, vectorized over rows (loops run over rounds and probes):
+Pipeline of one round (`support_sizes`), vectorized over rows (loops run over probes):
 
-1. Candidates (`_round`): the W largest entries of each row, sorted, and the deficits R_k of
-   every size, from positive terms (`candidates`). A row whose k* is not certified inside them
-   gets a wider round (`GROWTH` times, up to the whole row), keeping what it certified.
-2. A bracket lo <= k* <= hi: lo from the window (every size it saw had G > lambda), hi =
-   min(k_max, the positive entries).
-3. Probes on the multiplier (`_probe`). The map T_k of eq. (4) or (5) has one scalar s_k
+1. A bracket lo <= k* <= hi: lo from the window (every size it saw had G > lambda) and the
+   floor of the gaps, hi = min(k_max, the positive entries).
+2. Probes on the multiplier (`_probe`). The map T_k of eq. (4) or (5) has one scalar s_k
    (primal: the water level, or log of the top entry's lift below alpha = 1; dual: log nu),
    decreasing in k, and at any trial s every entry j has a value q_j(s), hence the term
    w_j(s) = w(p_j, s) of the gaps (`gaps.log_entry_term`), increasing in s and in p_j. Weak
@@ -29,17 +28,13 @@ Pipeline, vectorized over rows (loops run over rounds and probes):
    D(s) = log w_(m+1)(s) - log lambda, m = n + 1 the size whose scalar s is, inside the bracket
    of s that the signs of D keep; its slope counts how m moves with s. A few probes bring the
    bracket of k* down to one or two sizes, none needing a map.
-4. The last sizes by exact gaps (`_settle`): G(m) from the maps T_m and T_(m+1) (`maps.solved`,
+3. The last sizes by exact gaps (`_settle`): G(m) from the maps T_m and T_(m+1) (`maps.solved`,
    warm-started at the last probe's scalar), the ratios q_i / q'_i exact from their
    multipliers; binary search (Algorithm 2) where more than `SETTLE` sizes are left. User
    generators (no multiplier) take this binary search from the start, on their generic maps.
    The families with closed-form gaps (`families.CLOSED_GAP_FAMILIES`) read every gap of a
    round at once (`window.closed_sizes`).
-5. log T_k* by the family's map (`maps`), kept from the last exact gap where it has it, and
-   written into the output by the step's writer (`write.write_support`).
-
-Memory: a round holds a few float64 [rows, W] arrays; rounds whose width would exceed
-`MEMORY_BUDGET` bytes run their rows in pieces, and finished rows are written out at once.
+4. log T_k* kept from the last exact gap where it has it (else `step` solves it, `maps`).
 """
 
 from __future__ import annotations
@@ -49,30 +44,19 @@ from typing import NamedTuple
 
 import torch
 
-from .candidates import UNBOUNDED, Candidates, candidates, take
+from .candidates import UNBOUNDED, Candidates, take
 from .dual import INNER_STEPS, dual_range, dual_values
 from .families import CLOSED_GAP_FAMILIES, QUADRATIC_DUAL_FAMILIES, Family
 from .gaps import consecutive_gaps, dual_log_gap, log_entry_term, primal_log_gap
 from .generators import BregmanGenerator
-from .maps import log_deficit, log_renorm, solved
-from .plan import ExactPlan, exact_plan
+from .maps import log_deficit, solved
+from .plan import ExactPlan
 from .primal import level_range, normalized, primal_values, support_mask, top_range
 from .roots import Multiplier
 from .window import closed_sizes, support_range
-from .write import output_values, write_support
 
 Tensor = torch.Tensor
 
-#: Width of the first candidate round; a row whose k* passes it gets `GROWTH` times more.
-INITIAL_CANDIDATES = 64
-GROWTH = 8
-#: A round wider than 1 / `FULL_SORT_FRACTION` of the row takes the whole row (a top-k that
-#: large costs about a full sort).
-FULL_SORT_FRACTION = 4
-#: Bytes of float64 work arrays one piece of a round may hold.
-MEMORY_BUDGET = 256 * 1024 * 1024
-#: Peak bytes of a round per (row, candidate) (measured; output included).
-_BYTES_PER_ENTRY = 400
 #: Probes on the multiplier before the search leaves the rest to exact gaps, and the dual's
 #: Newton steps of its inner equations per probe.
 PROBES = 40
@@ -86,9 +70,9 @@ STEERING = 3
 #: Sizes the exact gaps decide at once (`_settle`); a wider bracket is halved first.
 SETTLE = 4
 #: Rounding bound of a sum of n positive float64 terms, per term (recursive summation).
-_SUM_ROUNDING = 2.3e-16
+SUM_ROUNDING = 2.3e-16
 #: Relative rounding bound of log w against log lambda, per unit of |log lambda| + 1.
-_TERM_ROUNDING = 1e-12
+TERM_ROUNDING = 1e-12
 
 
 # ----------------------------------------------------------------------------- 3. probes
@@ -169,7 +153,7 @@ class _Probe(NamedTuple):
 
 def _probe(mode: str, kind: int, family: Family | None, rows: _Rows, s: Tensor,
            start: Tensor | None, steps: int = PROBE_STEPS) -> _Probe:
-    """One probe at s (module docstring, step 3): every candidate's value, the sizes whose
+    """One probe at s (module docstring, step 2): every candidate's value, the sizes whose
     scalars lie above s (n) and the entries whose terms exceed lambda (c), each counted only
     where rounding cannot have decided it."""
     width = rows.p.shape[-1]
@@ -177,11 +161,11 @@ def _probe(mode: str, kind: int, family: Family | None, rows: _Rows, s: Tensor,
     q = torch.exp(values.log_q)
     # sum_(i<=k) q_i - p_i against R_k: both sums of positive terms (`primal._added`).
     added = torch.where(rows.finite, rows.p * torch.expm1(values.lift), q).cumsum(-1)
-    margin = rows.deficit * (_SUM_ROUNDING * width + 1e-15)
+    margin = rows.deficit * (SUM_ROUNDING * width + 1e-15)
     above_s = (added < rows.deficit - margin).sum(-1)  # sizes 1 .. n: s_k > s, surely
     maybe = (added < rows.deficit + margin).sum(-1)  # sizes past it: s_k <= s, surely
     log_w = log_entry_term(mode, rows.log_p, values.log_q, rows.alpha)
-    tolerance = (_TERM_ROUNDING * (1.0 + rows.log_lam.abs())).unsqueeze(-1)
+    tolerance = (TERM_ROUNDING * (1.0 + rows.log_lam.abs())).unsqueeze(-1)
     exceeds = (log_w > rows.log_lam.unsqueeze(-1) + tolerance).sum(-1)
     may_exceed = (log_w > rows.log_lam.unsqueeze(-1) - tolerance).sum(-1)
     low = torch.where(exact, torch.minimum(above_s, exceeds), 0)
@@ -242,7 +226,7 @@ class _Walk(NamedTuple):
 
 def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tensor,
             high: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
-    """Probes on the multiplier (module docstring, step 3) for rows of one kind, until their
+    """Probes on the multiplier (module docstring, step 2) for rows of one kind, until their
     bracket [low, high] of k* is one size wide, or at most `SETTLE` wide and no longer
     narrowing (or three probes in a row: ties, where the weak-duality bounds cannot part the
     sizes and exact gaps do), or known to pass the candidates, or pointed past them (an exact
@@ -450,8 +434,8 @@ def _settle(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
 # ----------------------------------------------------------------------------- rounds
 
 
-def _sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor
-           ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The support sizes of one round's rows ``rows`` (``low``: their certified lower bounds):
     fixed sizes, or the adaptive k* by the closed-form gaps, the probes and the exact gaps.
     Returns (k, log T_k where the search holds it [n, W], which rows have it, which rows are
@@ -517,7 +501,7 @@ def _search_rows(plan: ExactPlan, cand: Candidates, alpha: Tensor, lam: Tensor, 
     # The floor: every scalar is at least that of no deficit, where q = p, so an entry whose
     # term exceeds lambda there has G(j - 1) > lambda (w increases with s).
     floor = log_entry_term(plan.mode, rows.log_p, rows.log_p, rows.alpha)
-    tolerance = _TERM_ROUNDING * (1.0 + rows.log_lam.abs())
+    tolerance = TERM_ROUNDING * (1.0 + rows.log_lam.abs())
     lo = torch.maximum(lo, torch.minimum(
         (floor > (rows.log_lam + tolerance).unsqueeze(-1)).sum(-1), hi))
     s = torch.full_like(alpha, math.nan)  # (no warm start for rows without probes)
@@ -539,126 +523,4 @@ def _search_rows(plan: ExactPlan, cand: Candidates, alpha: Tensor, lam: Tensor, 
     return lo, hi, s, state, wider
 
 
-def _final_maps(plan: ExactPlan, cand: Candidates, k: Tensor, alpha: Tensor, cache: Tensor,
-                cached: Tensor) -> Tensor:
-    """log T_k for every row: from the search's cache where it has it, else solved now."""
-    todo = (~cached).nonzero().squeeze(-1)
-    width = int(k.max())
-    if todo.numel() == 0:
-        return cache[:, :width]
-    sub = take(cand, todo)
-    fresh = log_renorm(plan.family, plan.mode, sub.log_x[:, :width], k[todo], alpha[todo],
-                       log_deficit(sub, k[todo]), plan.generator)
-    out = cache[:, :width].clone()
-    out[todo] = fresh
-    return out
-
-
-class _Sink(NamedTuple):
-    """Where finished rows go: ``out`` [N, V], ``k_out`` [N], ``done`` [N] (set for every
-    finished row), how log q becomes the written values (`write.output_values`: the scores'
-    dtype, logits scaled by the temperature) and ``clear`` (the value a row is reset to just
-    before its support is written)."""
-
-    out: Tensor
-    k_out: Tensor
-    done: Tensor | None
-    logits: bool
-    temperature: Tensor | None
-    clear: float
-
-
-def _round(scores: Tensor, plan: ExactPlan, now: Tensor, width: int, low: Tensor, sink: _Sink,
-           scale: Tensor | None) -> Tensor:
-    """One candidate round for the rows ``now``; returns the rows that need a wider one (with
-    their certified lower bounds in ``low``)."""
-    every = now.numel() == scores.shape[0]
-    rows_now = scores if every else scores.index_select(0, now)
-    rows_scale = None if scale is None else (scale if every else scale.index_select(0, now))
-    cand = candidates(rows_now, width, logits=sink.logits, scale=rows_scale)
-    if not bool(cand.valid.all()):  # rows that are not distributions are left alone
-        good = cand.valid.nonzero().squeeze(-1)
-        now, cand = now[good], take(cand, good)
-    if now.numel() == 0:
-        return now
-    k, cache, cached, done = _sizes(plan, cand, now, low[now])
-    if width >= scores.shape[-1]:
-        done = torch.ones_like(done)
-    fin = done.nonzero().squeeze(-1)
-    if fin.numel():
-        sub = take(cand, fin)
-        log_q = _final_maps(plan, sub, k[fin], plan.alpha[now[fin]], cache[fin], cached[fin])
-        _finish(sink, now[fin], sub.index[:, : log_q.shape[-1]], log_q, k[fin])
-    again = (~done).nonzero().squeeze(-1)
-    low[now[again]] = k[again].clamp_max(width)
-    return now[again]
-
-
-def _finish(sink: _Sink, rows: Tensor, index: Tensor, log_q: Tensor, k: Tensor) -> None:
-    """Write finished rows (`write.write_support`); a NaN is an error, never an output."""
-    if bool(torch.isnan(log_q).any()):
-        raise FloatingPointError(
-            f"the exact path produced NaN for {int(torch.isnan(log_q).any(-1).sum())} row(s)")
-    temperature = None if sink.temperature is None else sink.temperature[rows]
-    values = output_values(log_q, sink.logits, sink.out.dtype, temperature)
-    write_support(sink.out, index, values, sink.clear, rows=rows)
-    sink.k_out[rows] = k
-    if sink.done is not None:
-        sink.done[rows] = True
-
-
-def _widest(plan: ExactPlan, rows: Tensor, vocab: int) -> int:
-    """The most candidates any of ``rows`` needs: its fixed k, else its k_max, else the whole
-    row (one host read per call: a server's `--max-support` caps every row)."""
-    fixed, cap = plan.fixed_k[rows], plan.k_max[rows]
-    need = torch.where(fixed > 0, fixed, torch.where(cap > 0, cap, vocab))
-    return min(int(need.max()), vocab)
-
-
-def decode_exact(out: Tensor, k_out: Tensor, scores: Tensor, plan: ExactPlan, *,
-                 logits: bool, scale: Tensor | None = None, rows: Tensor | None = None,
-                 low: Tensor | None = None, done: Tensor | None = None) -> None:
-    """Decode the rows of ``scores`` ([n, V] logits, or probabilities with entries >= 0) with
-    the exact path and write the supports into ``out`` ([n, V]: each finished row is reset to
-    -inf (logits) or 0 before its support is written; a row the path never finishes, when it
-    raises, keeps what it had) and the sizes into ``k_out``; rows that are not distributions
-    are left as ``out`` has them. ``out`` may be ``scores`` itself: a row is read before it is
-    written. ``scale`` ([n]): per-row inverse temperatures (logits; the values written are then
-    T log q, `write.output_values`). ``done`` ([n] bool): set for every row finished.
-
-    ``rows`` (sorted positions, default every row) limits the work to those rows, and ``low``
-    ([n]) gives known lower bounds on their k* (default 1): a row whose k* is known to be at
-    least the first round's width starts with a wider round. ``plan`` holds the parameters of
-    all n rows.
-    """
-    n, vocab = scores.shape
-    pending = torch.arange(n, device=scores.device) if rows is None else rows
-    if pending.numel() == 0:
-        return
-    bounds = torch.ones(n, dtype=torch.long, device=scores.device) if low is None \
-        else low.clone()
-    temperature = None if scale is None else torch.reciprocal(scale)
-    sink = _Sink(out, k_out, done, logits, temperature, -math.inf if logits else 0.0)
-    width = min(max(INITIAL_CANDIDATES, 2), vocab)
-    widest = _widest(plan, pending, vocab)
-    while pending.numel():
-        if width < vocab:
-            # Rows that need more candidates than this round has (a fixed k larger than its
-            # width, or a k* known to be at least its width) wait for a wider round.
-            ready = (plan.fixed_k[pending] <= width) & (bounds[pending] < width)
-            now, later = pending[ready], pending[~ready]
-        else:
-            now, later = pending, pending[:0]
-        piece = max(1, MEMORY_BUDGET // max(1, width * _BYTES_PER_ENTRY))
-        for start in range(0, now.numel(), piece):
-            later = torch.cat([later, _round(scores, plan, now[start:start + piece], width,
-                                             bounds, sink, scale)])
-        pending = torch.sort(later).values
-        grown = width * GROWTH
-        if grown * FULL_SORT_FRACTION >= vocab:
-            grown = vocab
-        # No wider than the rows' sizes need, and wider than this round.
-        width = min(vocab, max(min(grown, widest), width + 1))
-
-
-__all__ = ["MEMORY_BUDGET", "ExactPlan", "decode_exact", "exact_plan"]
+__all__ = ["SETTLE", "support_sizes"]

@@ -13,8 +13,9 @@ intermediate:
    cost(k), eq. (6) of arXiv 2505.19371) over a fixed window of sizes (`window`), with a
    certificate for rows whose answer could lie outside what the window decided;
 2. one host sync, only for plans that can produce uncertified rows (`families.may_flag`): how
-   many rows need the search; those rows are then decoded by it (`search`, value-dependent)
-   from the scores, which are still as given;
+   many rows need the search; those rows are then decoded by the exact path (`decode_exact`,
+   value-dependent: rounds of candidates, 64 then 8 times more, each decided by
+   `search.support_sizes`) from the scores, which are still as given;
 3. `_finish`: the write (`write.write_support`, write 3): -inf (logits) or 0 off the support,
    log q (or q) on it; rows that are not distributions (NaN, +inf, no mass) keep their values.
 
@@ -27,7 +28,7 @@ log-normalizer only; the values written are T log q.
 Extra memory of one step (besides the output) is bounded for any parameters: a gathered copy of
 the rows when a pass is not the whole batch, O(n W) float64 candidate arrays, O(n K^2) float64
 Newton arrays for the iterative families (K = window <= 64), and row chunks of at most
-`search.MEMORY_BUDGET` bytes for fixed-k groups wider than the window and for the exact path.
+`MEMORY_BUDGET` bytes for fixed-k groups wider than the window and for the exact path.
 No float64 [n, V] array is ever made. `step_memory_bound` gives the bound in bytes.
 """
 
@@ -40,11 +41,12 @@ from typing import NamedTuple
 
 import torch
 
-from .candidates import UNBOUNDED, Candidates, candidates, log_smallest, select
+from .candidates import UNBOUNDED, Candidates, candidates, log_smallest, select, take
 from .families import CLOSED_GAP_FAMILIES, ITERATIVE_FAMILIES, WIDE_WINDOW, WINDOW, Family
-from .plan import ROW_DTYPES, ROW_FIELDS, Group, Joint, Plan, to_device
+from .maps import log_deficit, log_renorm
+from .plan import ROW_DTYPES, ROW_FIELDS, ExactPlan, Group, Joint, Plan, exact_plan, to_device
 from .result import StepResult
-from .search import MEMORY_BUDGET, decode_exact, exact_plan
+from .search import support_sizes
 from .window import (
     Decoded,
     closed_map,
@@ -361,6 +363,137 @@ def _rows_of(value, piece: slice):
 # ----------------------------------------------------------------------------- 2. exact path
 
 
+#: Width of the exact path's first candidate round; a row whose k* passes it gets `GROWTH`
+#: times more.
+INITIAL_CANDIDATES = 64
+GROWTH = 8
+#: A round wider than 1 / `FULL_SORT_FRACTION` of the row takes the whole row (a top-k that
+#: large costs about a full sort).
+FULL_SORT_FRACTION = 4
+#: Bytes of float64 work arrays one piece of a round (or a wide fixed-k chunk) may hold.
+MEMORY_BUDGET = 256 * 1024 * 1024
+#: Peak bytes of an exact round per (row, candidate) (measured; output included).
+_BYTES_PER_ENTRY = 400
+
+
+def _final_maps(plan: ExactPlan, cand: Candidates, k: Tensor, alpha: Tensor, cache: Tensor,
+                cached: Tensor) -> Tensor:
+    """log T_k for every row: from the search's cache where it has it, else solved now."""
+    todo = (~cached).nonzero().squeeze(-1)
+    width = int(k.max())
+    if todo.numel() == 0:
+        return cache[:, :width]
+    sub = take(cand, todo)
+    fresh = log_renorm(plan.family, plan.mode, sub.log_x[:, :width], k[todo], alpha[todo],
+                       log_deficit(sub, k[todo]), plan.generator)
+    out = cache[:, :width].clone()
+    out[todo] = fresh
+    return out
+
+
+class _Sink(NamedTuple):
+    """Where finished rows go: ``out`` [N, V], ``k_out`` [N], ``done`` [N] (set for every
+    finished row), how log q becomes the written values (`write.output_values`: the scores'
+    dtype, logits scaled by the temperature) and ``clear`` (the value a row is reset to just
+    before its support is written)."""
+
+    out: Tensor
+    k_out: Tensor
+    done: Tensor | None
+    logits: bool
+    temperature: Tensor | None
+    clear: float
+
+
+def _exact_round(scores: Tensor, plan: ExactPlan, now: Tensor, width: int, low: Tensor,
+                 sink: _Sink, scale: Tensor | None) -> Tensor:
+    """One candidate round for the rows ``now``; returns the rows that need a wider one (with
+    their certified lower bounds in ``low``)."""
+    every = now.numel() == scores.shape[0]
+    rows_now = scores if every else scores.index_select(0, now)
+    rows_scale = None if scale is None else (scale if every else scale.index_select(0, now))
+    cand = candidates(rows_now, width, logits=sink.logits, scale=rows_scale)
+    if not bool(cand.valid.all()):  # rows that are not distributions are left alone
+        good = cand.valid.nonzero().squeeze(-1)
+        now, cand = now[good], take(cand, good)
+    if now.numel() == 0:
+        return now
+    k, cache, cached, done = support_sizes(plan, cand, now, low[now])
+    if width >= scores.shape[-1]:
+        done = torch.ones_like(done)
+    fin = done.nonzero().squeeze(-1)
+    if fin.numel():
+        sub = take(cand, fin)
+        log_q = _final_maps(plan, sub, k[fin], plan.alpha[now[fin]], cache[fin], cached[fin])
+        _write_finished(sink, now[fin], sub.index[:, : log_q.shape[-1]], log_q, k[fin])
+    again = (~done).nonzero().squeeze(-1)
+    low[now[again]] = k[again].clamp_max(width)
+    return now[again]
+
+
+def _write_finished(sink: _Sink, rows: Tensor, index: Tensor, log_q: Tensor, k: Tensor
+                    ) -> None:
+    """Write finished rows (`write.write_support`); a NaN is an error, never an output."""
+    if bool(torch.isnan(log_q).any()):
+        raise FloatingPointError(
+            f"the exact path produced NaN for {int(torch.isnan(log_q).any(-1).sum())} row(s)")
+    temperature = None if sink.temperature is None else sink.temperature[rows]
+    values = output_values(log_q, sink.logits, sink.out.dtype, temperature)
+    write_support(sink.out, index, values, sink.clear, rows=rows)
+    sink.k_out[rows] = k
+    if sink.done is not None:
+        sink.done[rows] = True
+
+
+def _widest(plan: ExactPlan, rows: Tensor, vocab: int) -> int:
+    """The most candidates any of ``rows`` needs: its fixed k, else its k_max, else the whole
+    row (one host read per call: a server's `--max-support` caps every row)."""
+    fixed, cap = plan.fixed_k[rows], plan.k_max[rows]
+    need = torch.where(fixed > 0, fixed, torch.where(cap > 0, cap, vocab))
+    return min(int(need.max()), vocab)
+
+
+def decode_exact(out: Tensor, k_out: Tensor, scores: Tensor, plan: ExactPlan, *,
+                 logits: bool, scale: Tensor | None = None, rows: Tensor | None = None,
+                 low: Tensor | None = None, done: Tensor | None = None) -> None:
+    """Decode the rows of ``scores`` ([n, V] logits, or probabilities) by the search, in rounds
+    of candidates, and write the supports into ``out`` ([n, V], may be ``scores``: each
+    finished row reset to -inf or 0, then its support written; a row never finished keeps what
+    it had) and the sizes into ``k_out``; rows that are not distributions are left alone.
+    ``scale`` ([n]): inverse temperatures (logits: T log q is written). ``done`` ([n] bool):
+    set for every row finished. ``rows`` (sorted, default all) limits the work to those rows;
+    ``low`` ([n], default 1): certified lower bounds on their k* (a row known to pass the
+    first round's width starts wider). ``plan`` holds the parameters of all n rows."""
+    n, vocab = scores.shape
+    pending = torch.arange(n, device=scores.device) if rows is None else rows
+    if pending.numel() == 0:
+        return
+    bounds = torch.ones(n, dtype=torch.long, device=scores.device) if low is None \
+        else low.clone()
+    temperature = None if scale is None else torch.reciprocal(scale)
+    sink = _Sink(out, k_out, done, logits, temperature, -math.inf if logits else 0.0)
+    width = min(max(INITIAL_CANDIDATES, 2), vocab)
+    widest = _widest(plan, pending, vocab)
+    while pending.numel():
+        if width < vocab:
+            # Rows that need more candidates than this round has (a fixed k larger than its
+            # width, or a k* known to be at least its width) wait for a wider round.
+            ready = (plan.fixed_k[pending] <= width) & (bounds[pending] < width)
+            now, later = pending[ready], pending[~ready]
+        else:
+            now, later = pending, pending[:0]
+        piece = max(1, MEMORY_BUDGET // max(1, width * _BYTES_PER_ENTRY))
+        for start in range(0, now.numel(), piece):
+            later = torch.cat([later, _exact_round(scores, plan, now[start:start + piece],
+                                                   width, bounds, sink, scale)])
+        pending = torch.sort(later).values
+        grown = width * GROWTH
+        if grown * FULL_SORT_FRACTION >= vocab:
+            grown = vocab
+        # No wider than the rows' sizes need, and wider than this round.
+        width = min(vocab, max(min(grown, widest), width + 1))
+
+
 def _exact(p: _Pass, out: Tensor | None, logits: bool, any_flagged: bool) -> None:
     """Step 2 for one pass: its uncertified rows (after the sync), or every row of an
     exact-family group, through the exact path, from the pass's scores (still as given) into
@@ -511,7 +644,7 @@ def step_memory_bound(batch: int, vocab: int, dtype: torch.dtype = torch.float32
       its rows (or a keep-all pass's count);
     * per row, the candidate arrays of the window (the W * BLOCK gathered entries and a few
       float64 [W] arrays) and the iterative families' float64 [K, K] Newton arrays (K <= W);
-    * `search.MEMORY_BUDGET` for what runs in row chunks: the exact path (uncertified rows) and
+    * `MEMORY_BUDGET` for what runs in row chunks: the exact path (uncertified rows) and
       fixed-k groups wider than the window. The two never run at the same time.
     """
     item = torch.empty((), dtype=dtype).element_size()
@@ -521,4 +654,4 @@ def step_memory_bound(batch: int, vocab: int, dtype: torch.dtype = torch.float32
     return full + candidate + newton + MEMORY_BUDGET
 
 
-__all__ = ["UNBOUNDED", "decode_step", "step_memory_bound"]
+__all__ = ["MEMORY_BUDGET", "UNBOUNDED", "decode_exact", "decode_step", "step_memory_bound"]

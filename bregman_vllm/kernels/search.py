@@ -70,10 +70,8 @@ INNER_STEPS = tl.constexpr(_dual.INNER_STEPS)
 EXACT_STEP = tl.constexpr(_dual.EXACT_STEP)
 NEWTON_TOLERANCE = tl.constexpr(_roots.NEWTON_TOLERANCE)
 MAX_ITERATIONS = tl.constexpr(_roots.MAX_ITERATIONS)
-#: As `search._SUM_ROUNDING` (a sum of n positive float64 terms, per term) and
-#: `search._TERM_ROUNDING` (log w against log lambda, per unit of |log lambda| + 1).
-SUM_ROUNDING = tl.constexpr(2.3e-16)
-TERM_ROUNDING = tl.constexpr(1e-12)
+SUM_ROUNDING = tl.constexpr(_search.SUM_ROUNDING)
+TERM_ROUNDING = tl.constexpr(_search.TERM_ROUNDING)
 #: log(1 - 1/e) (`dual._inner_upper`, `dual._inner_bracket`).
 LOG1MEXP_AT_ONE = tl.constexpr(math.log(1.0 - math.exp(-1.0)))
 LOG_2 = tl.constexpr(math.log(2.0))
@@ -968,7 +966,7 @@ def settle(dual, kind, closed, log_p, lp, finite, deficit, alpha, log_lam, low, 
 @device
 def search_row(dual, closed, alpha, lam, x, log_x, deficit, low, limit, positions,
                C: tl.constexpr):
-    """`search._sizes` and `search._search_rows` for one adaptive row without a closed-form
+    """`search.support_sizes` and `search._search_rows` for one adaptive row without a closed-form
     gap, on its C candidates (``low``: a certified lower bound on k*; ``limit``: min(k_max,
     the positive entries)): the floor of the gaps, the probes, the exact gaps, the map of k*.
     Returns (k, log T_k normalized, whether k* is decided here; if not, k is a certified lower

@@ -38,7 +38,7 @@ order:
 Four launches when no row may need the search, six otherwise, and no sync unless some row's
 reach (`rows.Row.reach`: the candidates its k* may need) passes the search's candidates on
 rows longer than them: then the hand-off (`hand_off`) reads the still flagged rows' slots once
-(one sync) and runs the torch exact path (`core.search.decode_exact`) on those rows, grouped
+(one sync) and runs the torch exact path (`core.step.decode_exact`) on those rows, grouped
 by family on the host, from their certified lower bounds.
 
 Specialization: each kernel is compiled per (candidate width K or C, logits or probabilities,
@@ -57,11 +57,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core import search
 from ..core.candidates import BLOCK, UNBOUNDED, log_smallest, under_smallest
 from ..core.families import WIDE_WINDOW, WINDOW, Route
-from ..core.plan import Plan
+from ..core.plan import Plan, exact_plan
 from ..core.result import StepResult
+from ..core.step import decode_exact
 from ..rows import FAMILIES, MODES, ROUTE_CODES, Layout, RowTable
 from . import formulas as f
 from .formulas import (
@@ -370,7 +370,7 @@ def _search_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
                    row_mode_ptr, temperature_ptr, x_ptr, log_x_ptr, deficit_ptr, needs_ptr,
                    flagged_ptr, low_ptr, values_ptr, k_ptr, mode_ptr, host,
                    LOGITS: tl.constexpr, C: tl.constexpr):
-    """The search (`kernels.search`, `core.search._sizes`) for one row the decode kernel left
+    """The search (`kernels.search`, `core.search.support_sizes`) for one row the decode kernel left
     ``needs`` (the others leave at once), on its C candidates: a fixed size's map, the
     closed-form gaps of `formulas.closed_search`, or the probes and exact gaps of
     `search.search_row`; the values to write (``mode`` 3). A row it cannot decide on its
@@ -694,7 +694,7 @@ def hand_off(out: Tensor, scores: Tensor, k: Tensor, space: _Workspace, table: R
              inplace: bool) -> tuple[int, int]:
     """The rows the kernels flagged (``needs``) through the torch exact path: the step's one
     sync reads which rows and their slots, then on the host they are grouped by family and
-    decoded by `search.decode_exact` from the scores (still as given: the write kernel left
+    decoded by `decode_exact` (`core.step`) from the scores (still as given: the write kernel left
     them), ``low`` giving the certified lower bounds on k*. Returns (rows the window could not
     certify, rows only the search decodes: `families.route`)."""
     device = scores.device
@@ -722,9 +722,9 @@ def hand_off(out: Tensor, scores: Tensor, k: Tensor, space: _Workspace, table: R
         for key in np.unique(families * 4 + fixed * 2 + (modes - 1)):
             members = rows[(families * 4 + fixed * 2 + (modes - 1)) == key]
             family = FAMILIES[int(key) // 4]
-            plan = search.exact_plan(MODES[int(key) % 2], alpha, lam, fixed_k, cap, None,
+            plan = exact_plan(MODES[int(key) % 2], alpha, lam, fixed_k, cap, None,
                                     family, None)
-            search.decode_exact(out, k, scores, plan, logits=logits, scale=scale,
+            decode_exact(out, k, scores, plan, logits=logits, scale=scale,
                                rows=torch.from_numpy(members).to(device), low=space.low,
                                done=done)
     except Exception as error:
