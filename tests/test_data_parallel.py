@@ -48,6 +48,7 @@ from bregman_server import engine
 from bregman_server.settings import ServerSettings
 
 from .test_server_support import (
+    ENGINE_COMMS,
     TOOL_PARSER_PLUGIN,
     ServerProcess,
     assert_stream_ran_to_length,
@@ -175,7 +176,7 @@ class Live:
         self.api_servers = sorted(pid for pid in server.remember_descendants()
                                   if comm(pid).startswith("VLLM::APIServer"))
         self.engines = sorted(pid for pid in server.remember_descendants()
-                              if comm(pid).startswith("VLLM::EngineCor"))
+                              if comm(pid).startswith(ENGINE_COMMS[0]))
 
     @property
     def url(self) -> str:
@@ -421,7 +422,7 @@ def test_sigterm_to_the_process_group_drains_every_api_server(live: Live) -> Non
             connection, body, results, index, started[index], reading))
             for index, connection in enumerate(connections)]
         engines.extend(pid for pid in live.server.remember_descendants()
-                       if comm(pid).startswith(("VLLM::EngineCore", "VLLM::Worker")))
+                       if comm(pid).startswith(ENGINE_COMMS))
         assert len(engines) >= 2, "the two engines were not found"
         begun = time.monotonic()
         for thread in threads:

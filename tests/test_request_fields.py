@@ -352,10 +352,16 @@ def test_bregman_serve_gives_the_engines_its_bound(monkeypatch: pytest.MonkeyPat
     admission to whatever reaches vLLM)."""
     from bregman_server import engine
 
+    # (`_environment` writes os.environ itself: each name it sets is registered here first, so
+    # that the test leaves the environment as it found it, for the engines started after it)
+    for name in ("BREGMAN_MAX_SUPPORT", "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "VLLM_API_KEY",
+                 "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/tmp")  # (nothing made)
     for flag, env in ((["--max-support", "64"], "64"), ([], "1024"),
                       (["--max-support", "none"], "none")):
         monkeypatch.delenv("BREGMAN_MAX_SUPPORT", raising=False)
-        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/tmp")  # (nothing made)
         from bregman_server.cli import parse_args
 
         engine._environment(parse_args(["--model", "m", *flag])[0])

@@ -32,6 +32,7 @@ import pytest
 
 from .test_engine_metrics import DASHBOARD, dashboard_queries, promql_metric_names
 from .test_server_support import (
+    ENGINE_COMMS,
     ServerProcess,
     check_engine_metrics_add_up,
     comm,
@@ -599,7 +600,7 @@ FULL = 16 * 2000
 def _engines(live: Live) -> list[int]:
     """The engine's processes (vLLM's EngineCore and any Worker) of the module's server."""
     engines = [pid for pid in live.server.remember_descendants()
-               if comm(pid).startswith(("VLLM::EngineCore", "VLLM::Worker"))]
+               if comm(pid).startswith(ENGINE_COMMS)]
     assert engines, "no engine process found"
     return engines
 

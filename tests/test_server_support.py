@@ -99,6 +99,12 @@ def _stat(pid: int) -> tuple[int, int, str] | None:
     return int(fields[1]), int(fields[2]), fields[0]
 
 
+#: What `comm` gives vLLM's engine processes: the kernel keeps 15 characters of a process's
+#: name, so ``VLLM::EngineCore_DP0`` reads ``VLLM::EngineCor`` (a prefix of ``VLLM::EngineCore``
+#: would match none of them).
+ENGINE_COMMS = ("VLLM::EngineCor", "VLLM::Worker")
+
+
 def comm(pid: int) -> str:
     """The process's name (what vLLM sets: ``VLLM::EngineCore_DP0``...), "" once it is gone."""
     try:
