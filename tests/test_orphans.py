@@ -42,7 +42,8 @@ from .test_server_support import (
 
 MODEL = "models/tiny-llama"
 # (no torch.compile on a cold CI machine; long generations: server_environment allows them)
-ENGINE = ["--enforce-eager", "--max-num-seqs", "4", "--max-model-len", "8192"]
+MAX_MODEL_LEN = 32768
+ENGINE = ["--enforce-eager", "--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN)]
 #: The requirement: nothing of a killed server is left this many seconds after the kill.
 LEFT_AFTER = 20.0
 
@@ -178,10 +179,12 @@ def serving_a_request(port: int) -> Callable[[Started], bool]:
 
 
 def stream_forever(port: int) -> threading.Thread:
-    """A streamed completion that runs until the server goes (a request being served)."""
+    """A streamed completion that runs until the server goes (a request being served): the
+    tiny model writes about 700 tokens/s on this machine, so a whole context lasts well past
+    the drain's 10 s."""
     def run() -> None:
-        body = {"model": MODEL, "prompt": "Once", "max_tokens": 8000, "ignore_eos": True,
-                "stream": True}
+        body = {"model": MODEL, "prompt": "Once", "max_tokens": MAX_MODEL_LEN - 64,
+                "ignore_eos": True, "stream": True}
         with contextlib.suppress(httpx.HTTPError), httpx.stream(
                 "POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
                 timeout=120) as response:
@@ -247,7 +250,8 @@ def test_vllms_own_server_killed_while_serving_leaves_no_engine(
     server = started([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                       MODEL, "--port", str(port), *ENGINE, "--middleware",
                       "bregman_server.middleware.BregmanMiddleware",
-                      "--max-num-batched-tokens", "8192", "--no-enable-chunked-prefill"],
+                      "--max-num-batched-tokens", str(MAX_MODEL_LEN),
+                      "--no-enable-chunked-prefill"],
                      "vllm")
     server.wait_for(healthy(port), "serving")
     stream_forever(port)
