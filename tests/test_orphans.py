@@ -205,15 +205,21 @@ def assert_nothing_left(started: Started, moment: str) -> None:
 # --- bregman-serve -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("victim", "moment"), [("bregman-serve", "loading"),
-                                                ("server", "warming up")])
-def test_bregman_serve_killed_while_its_engine_starts_leaves_nothing(
+                                                ("server", "warming up"),
+                                                ("server", "serving")])
+def test_bregman_serve_or_its_server_killed_leaves_nothing(
         started: Callable[..., Started], victim: str, moment: str) -> None:
     """SIGKILL to bregman-serve (an impatient operator, a crashed launcher) once its engine
-    process exists, or to its server process once the engine has loaded the weights (an OOM
-    kill): 4 processes were left before (the server, EngineCore, Worker, the resource
-    tracker), 120 s later still there."""
-    launcher, _ = bregman_serve(started, f"{victim}-{moment}")
-    launcher.wait_for(has_engine if moment == "loading" else weights_loaded, moment)
+    process exists, or to its server process once the engine has loaded the weights or while
+    it serves a request (an OOM kill): 4 processes were left before (the server, EngineCore,
+    Worker, the resource tracker), 120 s later still there. (bregman-serve killed while
+    serving: the draining test below.)"""
+    launcher, port = bregman_serve(started, f"{victim}-{moment}")
+    if moment == "serving":
+        launcher.wait_for(healthy(port), "ready")
+        launcher.wait_for(stream_forever(port), "serving a request")
+    else:
+        launcher.wait_for(has_engine if moment == "loading" else weights_loaded, moment)
     os.kill(launcher.process.pid if victim == "bregman-serve" else server_process(launcher),
             signal.SIGKILL)
     assert_nothing_left(launcher, f"{victim} killed while {moment}")
