@@ -260,15 +260,22 @@ def three_halves_map(log_x, inside, log_deficit, k):
 
 
 @device
-def water_map(log_x, inside, log_deficit, k, positions, K: tl.constexpr):
-    """`primal.water_filling_log_renorm`: q_i = max(p_i, c) with c the first level c_j = (1 -
-    S_j) / (k - j) at or above p_(j+1) (alpha = +inf, Proposition 4.1)."""
-    p = tl.where(inside, exp64(log_x), 0.0)
+def water_level(p, log_deficit, k, positions, K: tl.constexpr):
+    """`primal._water_level`: the level c of water-filling on the support of size k (p: 0 off
+    it), the first level c_j = (1 - S_j) / (k - j) at or above p_(j+1)."""
     above = exp64(log_deficit) + tl.cumsum(p, 0, reverse=True)
     j = positions.to(tl.float64)
     level = above / tl.maximum(k - j, 1.0)
     first = tl.min(tl.where((level >= p) & (j < k), positions, K - 1), axis=0)
-    c = at(level, positions, first)
+    return at(level, positions, first)
+
+
+@device
+def water_map(log_x, inside, log_deficit, k, positions, K: tl.constexpr):
+    """`primal.water_filling_log_renorm`: q_i = max(p_i, c), c the level (`water_level`;
+    alpha = +inf, Proposition 4.1)."""
+    p = tl.where(inside, exp64(log_x), 0.0)
+    c = water_level(p, log_deficit, k, positions, K)
     return tl.where(inside, log64(tl.maximum(p, c)), float("-inf"))
 
 

@@ -49,12 +49,14 @@ from .formulas import (
     device,
     exp64,
     expm1_64,
+    kl_map,
     log1p64,
     log64,
     logaddexp64,
     logsumexp64,
     quadratic_root,
     sqrt64,
+    water_level,
 )
 
 #: The torch search's constants (`search`, `dual`, `roots`).
@@ -159,11 +161,9 @@ def newton_update(x, value, slope, tolerance, previous, low, high, closed):
     return tl.where(done, x, tl.where(inside, proposal, 0.5 * (low + high))), done, low, high
 
 
-@device
-def normalized(log_q, inside):
-    """`primal.normalized`: -inf off the support, the constraint's last rounding removed."""
-    v = tl.where(inside, log_q, float("-inf"))
-    return v - logsumexp64(v, inside)
+#: `primal.normalized`: -inf off the support, the constraint's last rounding removed (the KL
+#: map's formula).
+normalized = kl_map
 
 
 # ----------------------------------------------------------------------------- K_alpha
@@ -663,17 +663,6 @@ def probes(dual, kind, closed, log_p, lp, finite, p, deficit, alpha, log_lam, lo
 
 
 @device
-def water_level(p, mask, log_r, k, positions, C: tl.constexpr):
-    """`primal._water_level`: the level c of water-filling on the support (sum max(p, c) = 1)."""
-    above = exp64(log_r) + tl.cumsum(p, 0, reverse=True)
-    j = positions.to(tl.float64)
-    size = k.to(tl.float64)
-    level = above / tl.maximum(size - j, 1.0)
-    first = tl.min(tl.where((level >= p) & (j < size), positions, C - 1), axis=0)
-    return at(level, positions, first)
-
-
-@device
 def level_map(lp, finite, beta, log_r, k, start, positions, C: tl.constexpr):
     """`primal.primal_multiplier`, beta > 0: the water level of the support of size k by
     safeguarded Newton on sum_i (q_i - p_i) = R (positive terms), from the KL start (or the
@@ -690,7 +679,7 @@ def level_map(lp, finite, beta, log_r, k, start, positions, C: tl.constexpr):
     first = top + log_expm1_64(-beta * log_s) / beta
     first = tl.where(beta < 1, tl.minimum(first, log_ratio), first)
     first = tl.minimum(first, high)
-    water = water_level(tl.where(fin, exp64(lp), 0.0), mask, log_r, k, positions, C)
+    water = water_level(tl.where(fin, exp64(lp), 0.0), log_r, k.to(tl.float64), positions, C)
     first = tl.minimum(first, log64(water))
     low = tl.minimum(low, first)
     tau = tl.where((start > low) & (start < high), start, first)
@@ -744,9 +733,9 @@ def top_map(log_p, lp, finite, beta, log_r, k, start, positions):
 
 
 @device
-def inner_solve(beta, target, z, active):
+def inner_solve(beta, target, z):
     """`dual._inner_solve`: H(e^z) = target for z, elementwise, by safeguarded Newton from z
-    (clamped into `inner_bracket`), until every ``active`` column is converged."""
+    (clamped into `inner_bracket`), until every column is converged."""
     low, high = inner_bracket(beta, target)
     z = tl.where((z > low) & (z < high), z, 0.5 * (low + high))
     closed = high <= low
@@ -760,13 +749,13 @@ def inner_solve(beta, target, z, active):
         z, done, low, high = newton_update(z, residual, slope, tolerance, previous, low, high,
                                            closed)
         previous = residual
-        finished = tl.min(tl.where(active, done, True).to(tl.int32), axis=0) > 0
+        finished = tl.min(done.to(tl.int32), axis=0) > 0
         taken += 1
     return z
 
 
 @device
-def dual_map(closed, lp, finite, beta, log_r, k, start, z, positions, active):
+def dual_map(closed, lp, finite, beta, log_r, k, start, z, positions):
     """`dual._nested` (Algorithm 1; `dual.dual_multiplier` for the quadratic families): s =
     log nu of the support of size k by safeguarded Newton on the mass added to the support
     minus R (convex, increasing in s), every inner root solved at each s, warm-started to first
@@ -789,7 +778,7 @@ def dual_map(closed, lp, finite, beta, log_r, k, start, z, positions, active):
             y = closed_lift(closed, lp, finite, s)
         else:
             target = s - beta * lp
-            z = inner_solve(beta, target, tl.minimum(z, inner_upper(beta, target)), active)
+            z = inner_solve(beta, target, tl.minimum(z, inner_upper(beta, target)))
             y = exp64(z)
         log_q = tl.where(finite, lp + y, s / beta)
         q = tl.where(mask, exp64(log_q), 0.0)
@@ -807,7 +796,7 @@ def dual_map(closed, lp, finite, beta, log_r, k, start, z, positions, active):
         taken += 1
     if closed == 0:
         target = s - beta * lp
-        z = inner_solve(beta, target, z, active)
+        z = inner_solve(beta, target, z)
     return s, z
 
 
@@ -820,7 +809,6 @@ def solve_map(kind, closed, log_p, lp, finite, alpha, deficit, k, start, z, posi
     the identity. Returns (s, log q unnormalized, log(q / p), z)."""
     beta = alpha - 1.0
     log_r = log64(at(deficit, positions, k - 1))
-    active = positions < C
     if log_r == float("-inf"):
         s = tl.full((), float("-inf"), tl.float64)
         log_q = log_p
@@ -832,7 +820,7 @@ def solve_map(kind, closed, log_p, lp, finite, alpha, deficit, k, start, z, posi
         s = top_map(log_p, lp, finite, beta, log_r, k, start, positions)
         log_q, _, lift = top_values(lp, finite, beta, s, at(lp, positions, 0))
     else:
-        s, z = dual_map(closed, lp, finite, beta, log_r, k, start, z, positions, active)
+        s, z = dual_map(closed, lp, finite, beta, log_r, k, start, z, positions)
         if closed != 0:
             log_q, _, lift = closed_values(closed, lp, finite, beta, s)
         else:

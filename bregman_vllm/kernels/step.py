@@ -421,7 +421,6 @@ def _search_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
             log_q = fixed_map(dual, closed, alpha, log_x, deficit, k, positions, C)
     # (a NaN is never written: the row stays flagged, for the host or as the window left it)
     bad = tl.max((log_q != log_q).to(tl.int32), axis=0) > 0
-    done = done & ~bad
     if (done | (host == 0)) & ~bad:
         if LOGITS:
             tl.store(values_ptr + where, log_q * temperature)
