@@ -519,6 +519,35 @@ def test_a_steps_layout_is_read_once_per_batch_change(monkeypatch):
     assert table.layout(np.array([3, 4], dtype=np.int32)) is None  # (slots not decoded)
 
 
+def test_v2_rows_held_at_their_k_max_are_counted_at_every_step_in_any_order(counted):
+    """``bregman_support_held_total{mode}`` under Model Runner V2 with the kernels: at every
+    step, one per adaptive row whose k* was held at its k_max (flat rows at a tiny lambda),
+    whatever order the slots come in; rows under their cap, fixed sizes and plain rows are not
+    counted. A slot that changes request changes the count at the next step."""
+    configs = [{"bregman_lambda": 1e-9, "bregman_k_max": 16},                  # held
+               None,                                                         # plain
+               {"bregman_mode": "dual", "bregman_alpha": 2, "bregman_lambda": 1e-9,
+                "bregman_k_max": 8},                                         # held (dual)
+               {"bregman_lambda": 0.5, "bregman_k_max": 16},                   # k* 1: under
+               {"bregman_top_k": 16, "bregman_k_max": 16}]                     # fixed k
+    proc = _v2(configs, 512)
+    assert proc.table is not None  # (the kernels' slot columns, no plan)
+
+    def held_in_one_step(order: list[int]) -> dict[str, float]:
+        before = telemetry.totals()  # (the pending steps counted first)
+        proc.apply(torch.randn(len(order), 512) * 1e-3, _context(order))
+        after = telemetry.totals()
+        return {mode: after.get(em.held(mode), 0.0) - before.get(em.held(mode), 0.0)
+                for mode in em.MODES}
+
+    for order in ([0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [4, 3, 2, 1, 0], [2, 0]):
+        assert held_in_one_step(order) == {"primal": 1, "dual": 1}, order
+    assert held_in_one_step([3, 1, 4]) == {"primal": 0, "dual": 0}
+    proc.add_request(0, SamplingParams(temperature=1.0))  # slot 0 now a plain request
+    proc.apply_staged_writes()
+    assert held_in_one_step([4, 3, 2, 1, 0]) == {"primal": 0, "dual": 1}
+
+
 def test_a_slot_past_the_processors_slots_falls_back_to_the_plan(monkeypatch, caplog):
     """A request slot past the max_num_reqs the processor was built for: decoded (by a plan,
     as V2 without the slot columns) rather than an error out of vLLM's add_request."""

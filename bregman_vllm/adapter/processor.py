@@ -218,8 +218,11 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         self.plan: Plan | None = None
         #: Per row of ``plan`` (V1, V2 by plan) the adaptive k_max, for the held rows' metric.
         self._caps: np.ndarray | None = None
-        #: V2 with the kernels: the same per request slot.
+        #: V2 with the kernels: the same per request slot, and the rows' modes and caps for the
+        #: metrics, read once per layout (`RowTable.layout` answers the same object until the
+        #: slots or the batch's order change).
         self._slot_caps = np.zeros(max_rows or 0, dtype=np.int64)
+        self._counted: tuple[object, np.ndarray, np.ndarray] | None = None
         self._stale = True
         self._layout: tuple[int, ...] | None = None  # V2: the row -> slot order of `plan`
         #: The last step's result (see the module docstring); None before the first one.
@@ -387,8 +390,10 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         self.last_step = StepResult(step.out, step.k, step.exact_rows)
         caps = None
         if len(ctx.idx_mapping_np) == logits.shape[0]:
-            modes = table.host["mode"][ctx.idx_mapping_np]
-            caps = self._slot_caps[ctx.idx_mapping_np]
+            if self._counted is None or self._counted[0] is not layout:
+                self._counted = (layout, table.host["mode"][ctx.idx_mapping_np],
+                                 self._slot_caps[ctx.idx_mapping_np])
+            modes, caps = self._counted[1:]
         else:  # several rows per request: the modes by the device mapping, copied with k
             # (held rows are not counted there: their caps would need a device copy too)
             modes = table.columns["mode"].index_select(0, ctx.expanded_idx_mapping)
