@@ -54,12 +54,14 @@ from .test_server_support import (
     assert_stream_ran_to_length,
     check_engine_metrics_add_up,
     comm,
+    engine_processes,
     finished_requests,
     finite_top_logprobs,
     require_tiny_model,
     scrape,
     self_signed_tls,
     shut_down_all,
+    signal_all,
     top_k_oracle,
 )
 
@@ -421,17 +423,16 @@ def test_sigterm_to_the_process_group_drains_every_api_server(live: Live) -> Non
         threads = [threading.Thread(target=_read_stream, args=(
             connection, body, results, index, started[index], reading))
             for index, connection in enumerate(connections)]
-        engines.extend(pid for pid in live.server.remember_descendants()
-                       if comm(pid).startswith(ENGINE_COMMS))
+        engines.extend(engine_processes(live.server))
         assert len(engines) >= 2, "the two engines were not found"
         begun = time.monotonic()
         for thread in threads:
             thread.start()
         while not all(event.is_set() for event in started):  # each stream's first tokens
             assert time.monotonic() - begun < 120, "a stream never started"
-            _signal_all(engines, signal.SIGCONT)
+            signal_all(engines, signal.SIGCONT)
             time.sleep(0.05)
-            _signal_all(engines, signal.SIGSTOP)
+            signal_all(engines, signal.SIGSTOP)
             time.sleep(0.05)  # (the API servers send what the engines made)
         # The readers pause while the refusals are checked: woken by a stream's bytes, four of
         # them kept this thread from running for up to 20 s on a loaded machine.
@@ -443,7 +444,7 @@ def test_sigterm_to_the_process_group_drains_every_api_server(live: Live) -> Non
         os.killpg(os.getpgid(live.server.pid), signal.SIGTERM)
         refused = {pid: _refused_on(probe, "shutdown") - signalled
                    for pid, probe in probes.items()}
-        _signal_all(engines, signal.SIGCONT)  # the drains: the streams run to their end
+        signal_all(engines, signal.SIGCONT)  # the drains: the streams run to their end
         # Those the first pass missed, during the drain (each connection accepted long before),
         # briefly: in two loaded runs one of the four was not found in 120 s, its stream
         # answered (the cause is not known). Such a stream stays out of the per-server
@@ -460,7 +461,7 @@ def test_sigterm_to_the_process_group_drains_every_api_server(live: Live) -> Non
         for thread in threads:
             thread.join(GRACE + 60)
     finally:
-        _signal_all(engines, signal.SIGCONT)
+        signal_all(engines, signal.SIGCONT)
         reading.set()
         for connection in connections + held:
             connection.close()
@@ -494,12 +495,6 @@ def test_sigterm_to_the_process_group_drains_every_api_server(live: Live) -> Non
                         "streams_not_attributed": owners.count(None)}
     assert len(ends) == 4 and code == 0
     assert not live.server.leftovers(), "processes left behind"
-
-
-def _signal_all(pids: list[int], signum: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):  # (an engine the server has stopped)
-            os.kill(pid, signum)
 
 
 def _refused_on(connection: socket.socket, code: str, within: float = 60.0) -> float:

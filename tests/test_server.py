@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import secrets
 import signal
@@ -32,12 +31,11 @@ import pytest
 
 from .test_engine_metrics import DASHBOARD, dashboard_queries, promql_metric_names
 from .test_server_support import (
-    ENGINE_COMMS,
     ServerProcess,
     check_engine_metrics_add_up,
-    comm,
     complete_all,
     engine_counts,
+    engine_processes,
     finite_top_logprobs,
     prometheus_value,
     require_tiny_model,
@@ -45,6 +43,7 @@ from .test_server_support import (
     server_environment,
     settled_counts,
     shut_down,
+    signal_all,
     wait_for_no_running_request,
 )
 
@@ -599,15 +598,9 @@ FULL = 16 * 2000
 
 def _engines(live: Live) -> list[int]:
     """The engine's processes (vLLM's EngineCore and any Worker) of the module's server."""
-    engines = [pid for pid in live.server.remember_descendants()
-               if comm(pid).startswith(ENGINE_COMMS)]
+    engines = engine_processes(live.server)
     assert engines, "no engine process found"
     return engines
-
-
-def _signal_all(pids: list[int], signum: int) -> None:
-    for pid in pids:
-        os.kill(pid, signum)
 
 
 def _paused_once_generating(live: Live, start: float, engines: list[int]) -> None:
@@ -624,11 +617,11 @@ def _paused_once_generating(live: Live, start: float, engines: list[int]) -> Non
     the abort is queued before the engine can finish, whatever the scheduling."""
     deadline = time.monotonic() + 120
     while True:
-        _signal_all(engines, signal.SIGSTOP)
+        signal_all(engines, signal.SIGSTOP)
         if live.generated() > start:
             return
         assert time.monotonic() < deadline, "vLLM never started the generation"
-        _signal_all(engines, signal.SIGCONT)
+        signal_all(engines, signal.SIGCONT)
         time.sleep(0.05)
 
 
@@ -686,7 +679,7 @@ def test_client_disconnect_mid_stream_aborts_the_generation(live: Live) -> None:
         connection.close()  # the client leaves
         _wait_until_handled(live)
     finally:
-        _signal_all(engines, signal.SIGCONT)
+        signal_all(engines, signal.SIGCONT)
         connection.close()
     _assert_aborted(live, start, finished, received.count(b"data: {"))
 
@@ -707,7 +700,7 @@ def test_client_disconnect_while_waiting_for_a_non_streaming_answer(live: Live) 
         connection.close()  # the client gives up
         _wait_until_handled(live)
     finally:
-        _signal_all(engines, signal.SIGCONT)
+        signal_all(engines, signal.SIGCONT)
         connection.close()
     _assert_aborted(live, start, finished, 1)
 

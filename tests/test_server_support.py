@@ -114,6 +114,20 @@ def comm(pid: int) -> str:
         return ""
 
 
+def engine_processes(server: ServerProcess) -> list[int]:
+    """The engines' processes (vLLM's EngineCore and any Worker) among ``server``'s
+    descendants."""
+    return [pid for pid in server.remember_descendants() if comm(pid).startswith(ENGINE_COMMS)]
+
+
+def signal_all(pids: list[int], signum: int) -> None:
+    """``signum`` to each of ``pids`` (SIGSTOP / SIGCONT: pausing the engines), those that
+    have already exited skipped."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
 def assert_stream_ran_to_length(lines: list[str], choices: int) -> None:
     """A completion stream's SSE ``data:`` lines: ended by ``[DONE]``, no error event (a stream
     cut by a shutdown ends with one), every one of its ``choices`` finished by ``length``."""

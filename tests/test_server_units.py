@@ -226,7 +226,8 @@ class Served:
 
     def open_gate(self, name: str) -> None:
         """Let the requests waiting at the stub's gate ``name`` answer."""
-        self.call(lambda: GATES.pop(name, asyncio.Event()).set())  # (a gate serves once)
+        # (a gate stays open: a request counted as served before it reached the gate passes it)
+        self.call(lambda: GATES.setdefault(name, asyncio.Event()).set())
 
     def call(self, function: Any, *args: Any) -> Any:
         """Run ``function(*args)`` on the server's own event loop and return its result."""

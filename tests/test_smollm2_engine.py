@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 
 from . import reference_search as rs
+from .test_models import load_script
+from .test_processor import dense, sampling
 from .test_reference_search import compare
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,30 +43,8 @@ def llm():
     del engine
 
 
-def sampling(**kwargs):
-    from vllm import SamplingParams
-
-    return SamplingParams(**kwargs)
-
-
-def dense(step: dict, vocab: int) -> np.ndarray:
-    out = np.full(vocab, -math.inf)
-    for token, logprob in step.items():
-        out[token] = logprob.logprob
-    return out
-
-
 def test_the_chat_answer_is_the_greedy_one_with_top_1(llm) -> None:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("prepare_models",
-                                                  ROOT / "scripts" / "prepare_models.py")
-    assert spec is not None and spec.loader is not None
-    prepare = importlib.util.module_from_spec(spec)
-    import sys
-
-    sys.modules[spec.name] = prepare
-    spec.loader.exec_module(prepare)
+    prepare = load_script()
     messages = [{"role": "user", "content": prepare.SMOL_CHECK_PROMPT}]
     greedy = llm.chat(messages, sampling(temperature=0.0, max_tokens=24), use_tqdm=False)
     top1 = llm.chat(messages, sampling(temperature=1.0, max_tokens=24, seed=1,
@@ -108,10 +88,10 @@ def test_every_step_is_the_independent_references_decoding(llm) -> None:
         alpha = extra["bregman_alpha"]
         alpha = math.inf if alpha == "inf" else float(alpha)
         lam = extra.get("bregman_lambda", 0.0)
-        log_p = dense(reference.outputs[0].logprobs[0], vocab)[None]
+        log_p = dense(reference.outputs[0].logprobs[0], vocab).numpy()[None]
         want = rs.decode(log_p, alpha, lam, extra.get("bregman_mode", "primal"),
                          top_k=extra.get("bregman_top_k"), k_max=extra.get("bregman_k_max"))
-        got = dense(processed, vocab)
+        got = dense(processed, vocab).numpy()
         kept = got > -9000.0  # (processed logprobs report tokens off the support at -9999)
         q = np.where(kept, np.exp(got), 0.0)
         compare(q[None], np.array([int(kept.sum())]), want, lam, rtol=1e-4, tie=1e-4,
