@@ -44,7 +44,6 @@ import torch
 
 from .core.candidates import UNBOUNDED
 from .core.families import (
-    ITERATIVE_FAMILIES,
     Family,
     Route,
     may_flag,
@@ -103,9 +102,8 @@ class Row:
         largest = size if fixed else min(size, support_bound(mode, alpha, lam) + 1)
         width = window_width(family, lam, fixed, largest)
         flags = way == Route.WINDOW and may_flag(family, fixed, largest, width)
-        reach = largest
         return cls(family, fixed, size, alpha, lam, mode, way, width_class(width), flags,
-                   min(reach, UNBOUNDED))
+                   largest)
 
     @classmethod
     def of_request(cls, params: BregmanParams, vocab: int) -> Row:
@@ -118,8 +116,6 @@ class Row:
 
     @property
     def iterations(self) -> int:
-        if self.family not in ITERATIVE_FAMILIES:
-            return 0
         return newton_iterations(self.family, [self.alpha])
 
 

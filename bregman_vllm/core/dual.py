@@ -37,7 +37,7 @@ import torch
 
 from .families import Family
 from .numerics import logsumexp_masked
-from .primal import normalized
+from .primal import normalized, support_mask
 from .roots import NEWTON_TOLERANCE, Multiplier, converged, safeguarded_newton
 
 Tensor = torch.Tensor
@@ -97,8 +97,6 @@ def _inner_upper(beta: Tensor, target: Tensor) -> Tensor:
     bound = torch.maximum(torch.nn.functional.softplus(torch.log(beta) + shifted), shifted)
     return torch.log(bound.clamp_min(1e-300)) - torch.log(beta)
 
-
-_LOG_2 = math.log(2.0)
 
 
 def quadratic_root(family: Family, p: Tensor, nu: Tensor,
@@ -462,10 +460,7 @@ def dual_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Ten
     s = first if start is None else torch.where((start > low) & (start < high), start, first)
     if closed is not None:
         s, _ = _nested(lp, finite, mask, beta, log_deficit, s, lp, low, high, closed)
-        lift = _closed_lift(closed, lp, finite, s)
-        u = torch.where(finite, lift, 0.0)
-        rate = _inner_rate(beta, u, finite)
-        return Multiplier(s, torch.where(finite, lp + u, lift), rate, lift)
+        return dual_values(lp, finite, beta, s, None, closed)[0]
     cold = None if state is None else torch.isnan(state)
     if cold is None or bool(cold.any()):  # (NaN: no warm start for that entry)
         # A start without a neighbouring solve: for alpha >= 2 the primal-shaped one
@@ -507,8 +502,8 @@ def dual_range(lp: Tensor, finite: Tensor, beta: Tensor, log_deficit: Tensor, k:
                ) -> tuple[Tensor, Tensor, Tensor]:
     """s = log nu of the support of size k: a lower bound, a start inside its bracket
     (`_outer_bracket`), and an upper bound of every size's (size 1's, q_1 = 1)."""
-    mask = torch.arange(lp.shape[-1], device=lp.device) < k.unsqueeze(-1)
-    low, _, start = _outer_bracket(lp, finite, mask, beta, log_deficit, k)
+    low, _, start = _outer_bracket(lp, finite, support_mask(k, lp.shape[-1]), beta,
+                                   log_deficit, k)
     return low, start, torch.log1p(-torch.exp(lp[:, 0]))
 
 

@@ -27,7 +27,6 @@ import torch
 from ..params import BregmanParamError, BregmanParams, check_alpha, parse_lambda, parse_mode
 from .candidates import UNBOUNDED
 from .families import (
-    ITERATIVE_FAMILIES,
     Family,
     Route,
     family_of,
@@ -430,7 +429,7 @@ def _group(family: Family, mode: str, fixed: bool, rows: Tensor | None, count: i
         flags = may_flag(family, False, largest, width)
         bounded = not flags
         sizes = cap_values
-    iterations = newton_iterations(family, alphas) if family in ITERATIVE_FAMILIES else 0
+    iterations = newton_iterations(family, alphas)
     below = family == Family.POWER and any(a < 2.0 for a in alphas)
     above = family == Family.POWER and any(a > 2.0 for a in alphas)
     host = {"alpha": alphas, "lam": lams, "size": sizes, "cap": caps, **extra}

@@ -237,7 +237,7 @@ def primal_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
 
         def level_equation(tau: Tensor) -> tuple[Tensor, Tensor, Tensor]:
             z = bcol * (tau.unsqueeze(-1) - lpi)
-            rise = _softplus(z) / bcol  # log(q / p) (`level_lift`, from z: needed below)
+            rise = _softplus(z) / bcol  # log(q / p), from z (needed below)
             q = torch.exp(torch.where(fin, lpi + rise, tau.unsqueeze(-1))) * kp
             return (_added(lpi, fin, rise, q) - deficit[i], (q * torch.where(fin, torch.sigmoid(z),
                     1.0)).sum(-1), NEWTON_TOLERANCE * deficit[i])
@@ -302,7 +302,7 @@ def top_range(top: Tensor, log_deficit: Tensor) -> tuple[Tensor, Tensor, Tensor]
 
 
 def primal_values(lp: Tensor, finite: Tensor, beta: Tensor, s: Tensor, up: bool) -> Multiplier:
-    """Every column's value at the scalar s of eq. (4) (`roots.Multiplier`), with rate and
+    """Every column's value at the scalar s of eq. (4) (`roots.Multiplier`), with its rate
     in s: ``up`` (beta > 0), s = tau, the water level (`level_values`); beta < 0,
     s = log delta (`top_values`; delta spans orders of magnitude as the support grows).
     ``beta``: [n, 1]."""

@@ -117,7 +117,7 @@ def _values(kind: int, family: Family | None, rows: _Rows, s: Tensor,
 def _ends(kind: int, rows: _Rows, size: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The scalar of ``size``: a lower bound (from its deficit) and a start near it; and an
     upper bound of every size's scalar (size 1's)."""
-    log_r = torch.log(torch.gather(rows.deficit, 1, (size - 1).unsqueeze(-1)).squeeze(-1))
+    log_r = log_deficit(rows, size)  # (reads only the deficits, which _Rows has)
     beta = rows.alpha.squeeze(-1) - 1.0
     if kind == 1:
         return level_range(rows.lp[:, 0], beta, log_r, size)

@@ -423,7 +423,7 @@ def _exact_round(scores: Tensor, plan: ExactPlan, now: Tensor, width: int, low: 
         done = torch.ones_like(done)
     fin = done.nonzero().squeeze(-1)
     if fin.numel():
-        sub = take(cand, fin)
+        sub = cand if fin.numel() == now.numel() else take(cand, fin)  # (all: no copy)
         log_q = _final_maps(plan, sub, k[fin], plan.alpha[now[fin]], cache[fin], cached[fin])
         _write_finished(sink, now[fin], sub.index[:, : log_q.shape[-1]], log_q, k[fin])
     again = (~done).nonzero().squeeze(-1)
