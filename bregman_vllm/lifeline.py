@@ -108,9 +108,10 @@ def watch(parent: int, on_orphaned: Callable[[int], None] | None = None,
     return thread
 
 
-def end_orphan(parent: int, grace: float = GRACE) -> None:
+def end_orphan(parent: int, grace: float = GRACE, group: bool = False) -> None:
     """This process's parent (``parent``) is gone: SIGTERM its main thread (vLLM's shutdown),
-    then, ``grace`` seconds later, SIGKILL what is left of it and its descendants."""
+    then, ``grace`` seconds later, SIGKILL what is left of it and its descendants (``group``:
+    of its whole process group, for a process that leads a session of its own)."""
     name = multiprocessing.current_process().name
     logger.warning("%s (pid %d): the process that started it (pid %d) is gone; stopping it "
                    "(killed in %g s if still running)", name, os.getpid(), parent, grace)
@@ -121,6 +122,8 @@ def end_orphan(parent: int, grace: float = GRACE) -> None:
             signal.pthread_kill(main.ident, signal.SIGTERM)
     time.sleep(grace)
     kill_descendants()
+    if group:  # (this process too)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

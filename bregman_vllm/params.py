@@ -382,15 +382,15 @@ SIZE_FIELDS = {"top_k": "bregman_top_k", "k_max": "bregman_k_max"}
 MAX_SUPPORT_ENV = "BREGMAN_MAX_SUPPORT"
 
 
+def lifts_the_bound(value: Any) -> bool:
+    """Whether a largest-support setting says "no bound": None, "none" (any case) or empty."""
+    return value is None or (isinstance(value, str) and value.strip().lower() in ("", "none"))
+
+
 def parse_max_support(value: Any, field: str = MAX_SUPPORT_ENV) -> int | None:
-    """A largest support size: an integer in [1, `MAX_SUPPORT_SIZE`], or None for "none" (any
-    case), an empty string or None (no bound)."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
-        return None
-    size = parse_support_size(value, field)
-    if size is None:  # pragma: no cover - parse_support_size returns None only for None
-        return None
-    return size
+    """A largest support size: an integer in [1, `MAX_SUPPORT_SIZE`], or None where the
+    setting lifts the bound (`lifts_the_bound`)."""
+    return None if lifts_the_bound(value) else parse_support_size(value, field)
 
 
 @functools.lru_cache(maxsize=8)

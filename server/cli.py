@@ -146,23 +146,18 @@ def follow_supervisor(supervisor: int, deadline: float = ORPHAN_DEADLINE,
                       group: bool = True) -> None:
     """If ``supervisor`` (this process's parent: bregman-serve, or the server that started
     this API server) dies, however it dies and whatever this process is doing (loading,
-    warming up, serving, draining): SIGTERM to this process (the drain; the kernel's
-    parent-death signal sends one too, but vLLM may lose it while the engine loads), then,
-    ``deadline`` seconds later, SIGKILL to this process's group (``group``: the server, in a
-    session of its own, with its engines and their helpers) or to this process alone, so that
-    nothing of the session outlives bregman-serve by more than ``deadline`` seconds."""
-    import signal
+    warming up, serving, draining): `lifeline.end_orphan` with ``deadline`` for its grace,
+    SIGTERM to this process (the drain; the kernel's parent-death signal sends one too, but
+    vLLM may lose it while the engine loads), then SIGKILL to this process's group (``group``:
+    the server, in a session of its own, with its engines and their helpers) or to it and its
+    descendants, so that nothing of the session outlives bregman-serve by more than
+    ``deadline`` seconds."""
+    import functools
 
-    from bregman_vllm.lifeline import watch
+    from bregman_vllm.lifeline import end_orphan, watch
 
-    def stop(parent: int) -> None:
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(deadline)
-        if group:
-            os.killpg(os.getpgrp(), signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    watch(supervisor, on_orphaned=stop, interval=0.2)
+    watch(supervisor, on_orphaned=functools.partial(end_orphan, grace=deadline, group=group),
+          interval=0.2)
 
 
 #: Seconds the processes the server leaves behind get to exit before they are killed.

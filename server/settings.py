@@ -20,6 +20,7 @@ from bregman_vllm.params import (
     MAX_SUPPORT_SIZE,
     BregmanParamError,
     BregmanParams,
+    lifts_the_bound,
     parse_alpha,
 )
 
@@ -102,9 +103,7 @@ class ServerSettings(BaseSettings):
     @field_validator("max_support", mode="before")
     @classmethod
     def _none_lifts_the_bound(cls, value: Any) -> Any:
-        if isinstance(value, str) and value.strip().lower() in ("", "none"):
-            return None
-        return value
+        return None if lifts_the_bound(value) else value
 
     @field_validator("default_alpha")
     @classmethod
