@@ -305,6 +305,25 @@ def closed_map(family, log_x, inside, log_deficit, k, positions, K: tl.constexpr
     return log_q
 
 
+@device
+def closed_map_at(family, log_x, deficit, k, positions, K: tl.constexpr):
+    """`closed_map` of the support of size k (int), its deficit read from the candidates'."""
+    log_deficit = log64(at(deficit, positions, k - 1))
+    return closed_map(family, log_x, positions < k, log_deficit, k.to(tl.float64), positions, K)
+
+
+@device
+def closed_gap_family(family):
+    """`families.CLOSED_GAP_FAMILIES`: the families whose every gap has a closed form."""
+    return (family == KL) | (family == THREE_HALVES) | (family == SQUARE)
+
+
+@device
+def iterative_family(family):
+    """`families.ITERATIVE_FAMILIES`: the families whose window map takes Newton steps."""
+    return (family == POWER) | (family == DUAL_THREE_HALVES) | (family == DUAL_THREE)
+
+
 # ----------------------------------------------------------------------------- iterative maps
 
 
@@ -422,9 +441,7 @@ def closed_search(family, x, log_x, deficit, lam, limit, positions, K: tl.conste
     stop = ((gaps <= lam) | (sizes >= limit)) & (positions < K - 1)
     k = tl.min(tl.where(stop, sizes, K), axis=0).to(tl.int64)
     beyond = (k >= K) & (limit > K)
-    log_deficit = log64(at(deficit, positions, k - 1))
-    log_q = closed_map(family, log_x, positions < k, log_deficit, k.to(tl.float64), positions, K)
-    return k, log_q, beyond
+    return k, closed_map_at(family, log_x, deficit, k, positions, K), beyond
 
 
 @device

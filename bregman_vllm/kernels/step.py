@@ -63,23 +63,20 @@ from ..core.plan import Plan, exact_plan
 from ..core.result import StepResult
 from ..core.step import decode_exact
 from ..rows import FAMILIES, MODES, ROUTE_CODES, Layout, RowTable
-from . import formulas as f
 from .formulas import (
     ARGMAX,
     DUAL_THREE,
     DUAL_THREE_HALVES,
     INTERPRET,
-    KL,
-    POWER,
     ROUTE_KEEP,
     ROUTE_SEARCH,
     ROUTE_WINDOW,
-    SQUARE,
-    THREE_HALVES,
     WATER,
-    closed_map,
+    closed_gap_family,
+    closed_map_at,
     closed_search,
     exp64,
+    iterative_family,
     iterative_fixed,
     iterative_search,
     key_index,
@@ -318,8 +315,7 @@ def _decode_kernel(map_ptr, family_ptr, route_ptr, fixed_ptr, size_ptr, alpha_pt
             x = tl.load(x_ptr + where)
             log_x = tl.load(log_x_ptr + where)
             deficit = tl.load(deficit_ptr + where)
-            iterative = (family == POWER) | (family == DUAL_THREE_HALVES) | \
-                (family == DUAL_THREE)
+            iterative = iterative_family(family)
             certify = size > W
             if fixed:
                 k = tl.minimum(known_count(x, deficit, positions, K), size)
@@ -328,10 +324,8 @@ def _decode_kernel(map_ptr, family_ptr, route_ptr, fixed_ptr, size_ptr, alpha_pt
                     log_q, needs = iterative_fixed(family, x, deficit, alpha, k, iterations,
                                                    certify, positions, K)
                 else:
-                    log_deficit = log64(f.at(deficit, positions, k - 1))
-                    log_q = closed_map(family, log_x, positions < k, log_deficit,
-                                       k.to(tl.float64), positions, K)
-            elif (family == KL) | (family == THREE_HALVES) | (family == SQUARE):
+                    log_q = closed_map_at(family, log_x, deficit, k, positions, K)
+            elif closed_gap_family(family):
                 limit = tl.minimum(known_count(x, deficit, positions, K), size)
                 lam = tl.load(lam_ptr + slot)
                 k, log_q, needs = closed_search(family, x, log_x, deficit, lam, limit,
@@ -396,19 +390,16 @@ def _search_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
     deficit = tl.load(deficit_ptr + where)
     known = known_count(x, deficit, positions, C)
     closed = tl.where((family == DUAL_THREE_HALVES) | (family == DUAL_THREE), family, 0)
-    maps = (family == KL) | (family == THREE_HALVES) | (family == SQUARE) | \
-        (family == WATER) | (family == ARGMAX)
+    maps = closed_gap_family(family) | (family == WATER) | (family == ARGMAX)
     if fixed:
         k = tl.maximum(tl.minimum(known, size), 1)
         done = k <= C
         k = tl.minimum(k, C)
         if maps:
-            log_deficit = log64(f.at(deficit, positions, k - 1))
-            log_q = closed_map(family, log_x, positions < k, log_deficit, k.to(tl.float64),
-                               positions, C)
+            log_q = closed_map_at(family, log_x, deficit, k, positions, C)
         else:
             log_q = fixed_map(dual, closed, alpha, log_x, deficit, k, positions, C)
-    elif (family == KL) | (family == THREE_HALVES) | (family == SQUARE):
+    elif closed_gap_family(family):
         limit = tl.minimum(known, size)
         k, log_q, beyond = closed_search(family, x, log_x, deficit, lam, limit, positions, C)
         done = ~beyond
