@@ -43,7 +43,8 @@ from bregman_vllm.core.primal import level_range, normalized, primal_values, sup
 from bregman_vllm.diagnostics import DispatchCounter
 from bregman_vllm.kernels import search as ks
 from bregman_vllm.kernels import step as kernel_step
-from bregman_vllm.kernels.formulas import DUAL_THREE, DUAL_THREE_HALVES, at
+from bregman_vllm.kernels.formulas import at
+from bregman_vllm.rows import FAMILY_CODES
 
 from . import reference_search as rs
 from .test_kernels import NARROW, WIDE, _context, model_logits, plan_of, probabilities
@@ -52,7 +53,6 @@ F64 = torch.float64
 #: The general maps (every family the window has no formula for) and the quadratic duals.
 GENERAL = [("primal", 10.0), ("primal", 0.5), ("primal", 1.05), ("dual", 4.0), ("dual", 10.0),
            ("dual", 1.2)]
-QUADRATIC = {1.5: int(DUAL_THREE_HALVES), 3.0: int(DUAL_THREE)}
 
 
 def _candidates(rows: int, width: int, vocab: int, seed: int, flat: bool = False):
@@ -63,8 +63,17 @@ def _candidates(rows: int, width: int, vocab: int, seed: int, flat: bool = False
     return logits, candidates(torch.softmax(logits, -1), width)
 
 
+def _family(mode: str, alpha: float) -> Family | None:
+    """The family the torch maps take for a general alpha: a quadratic dual (closed inner
+    roots) or None."""
+    quadratic = {1.5: Family.DUAL_THREE_HALVES, 3.0: Family.DUAL_THREE}
+    return quadratic.get(alpha) if mode == "dual" else None
+
+
 def _closed(mode: str, alpha: float) -> int:
-    return QUADRATIC.get(alpha, 0) if mode == "dual" else 0
+    """`_family`'s code in the kernels (0: none)."""
+    family = _family(mode, alpha)
+    return FAMILY_CODES[family] if family is not None else 0
 
 
 def _kind(mode: str, alpha: float) -> int:
@@ -126,7 +135,7 @@ def test_values_at_a_scalar(mode, alpha):
         s = top_range(lp[:, 0], log_r)[1]
     else:
         s = dual_range(lp, finite, beta, log_r, size)[1]
-    closed = {1.5: Family.DUAL_THREE_HALVES, 3.0: Family.DUAL_THREE}.get(alpha)
+    closed = _family(mode, alpha)
     if kind:
         want = primal_values(lp, finite, beta, s, kind == 1)
         exact_want = torch.ones(n, dtype=torch.bool)
@@ -229,8 +238,7 @@ def test_maps_of_fixed_sizes(mode, alpha):
     entries, one holding all the mass (the identity)."""
     _, cand = _candidates(4, 64, 64, seed=3)
     k = torch.tensor([1, 7, 63, 64])
-    family = {1.5: Family.DUAL_THREE_HALVES, 3.0: Family.DUAL_THREE}.get(alpha) \
-        if mode == "dual" else None
+    family = _family(mode, alpha)
     s, log_q, lift = _maps(mode, alpha, cand, k)
     want = solved(family, mode, cand.log_x, k, torch.full((4,), alpha, dtype=F64),
                   log_deficit(cand, k))
@@ -284,8 +292,7 @@ def test_exact_gaps(mode, alpha):
     m = torch.tensor([1, 5, 20, 62])
     n = 4
     a = torch.full((n,), alpha, dtype=F64)
-    family = {1.5: Family.DUAL_THREE_HALVES, 3.0: Family.DUAL_THREE}.get(alpha) \
-        if mode == "dual" else None
+    family = _family(mode, alpha)
     sizes = torch.stack([m, m + 1], -1)
     found = solved(family, mode, cand.log_x.repeat_interleave(2, 0), sizes.reshape(-1),
                    a.repeat_interleave(2), log_deficit(cand, sizes).reshape(-1))
