@@ -13,7 +13,6 @@ metadata ...) are left alone. tests/test_server.py sends the same cases to real 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Annotated, Any
 
@@ -40,7 +39,7 @@ from bregman_vllm.params import (
 )
 
 from .test_server_support import BODY_ENCODINGS, encode_body
-from .test_server_units import AUTH, Served, assert_openai_error
+from .test_server_units import AUTH, Served, _echo, assert_openai_error
 
 # --- the matching rule ---------------------------------------------------------------------------
 
@@ -99,12 +98,6 @@ class NoSampling(BaseModel):
     """Like vLLM's TokenizeRequest."""
 
     model_config = ConfigDict(extra="allow")
-
-
-async def _echo(request: Request) -> Response:
-    raw = await request.body()
-    return Response(json.dumps({"received": json.loads(raw), "raw": raw.decode("utf-8")},
-                               ensure_ascii=True), media_type="application/json")
 
 
 async def _sampled(request: Request, body: Sampled) -> Response:
