@@ -152,7 +152,7 @@ def _outer_bracket(lp: Tensor, finite: Tensor, mask: Tensor, beta: Tensor, log_d
     high = torch.where(below_two, log_deficit - log_power_sum, log_ratio)
     low, high = torch.minimum(low, high), torch.maximum(low, high)
     high = torch.minimum(high, torch.log1p(-torch.exp(lp[..., 0])))
-    low = torch.minimum(low, high)
+    low = torch.where(k == 1, high, torch.minimum(low, high))  # (size 1: q_1 = 1, given)
     shifted = torch.logaddexp(lp, log_ratio.unsqueeze(-1))
     start = log_deficit - logsumexp_masked((1.0 - beta) * shifted, mask)
     return low, high, torch.where((start > low) & (start < high), start, high)
@@ -225,34 +225,20 @@ def _joint_newton(lp: Tensor, finite: Tensor, mask: Tensor, beta: Tensor, log_de
 
         H(e^z_i) = s - beta log p_i  (every column),   sum_(i in support) (q_i - p_i) = R,
 
-    whose Jacobian is an arrow (diagonal in z, one row and one column for s), so one step costs
-    one pass over the columns: with r_i the inner residuals, H_z,i = dH/dz, g_i = dq_i/ds =
-    q_i u_i / H_z,i (zero entries: q_i / beta) and A the mass the support's entries add after
-    their inner steps, A = sum_i (q_i - p_i) + sum_i g_i r_i,
+    whose Jacobian is an arrow, so one step is one pass over the columns: with r_i the inner
+    residuals, H_z,i = dH/dz, g_i = dq_i/ds = q_i u_i / H_z,i (zero entries: q_i / beta) and
+    A = sum_i (q_i - p_i) + sum_i g_i r_i (Newton on log A - log R: the added mass grows about
+    exponentially in s; written as added mass, its rounding is a few ulps of R, not of 1),
 
-        ds = (log R - log A) A / sum_i g_i,    dz_i = (r_i + ds) / H_z,i
+        ds = (log R - log A) A / sum_i g_i,    dz_i = (r_i + ds) / H_z,i.
 
-    (Newton on log A - log R: the added mass grows about exponentially in s, a power of nu for
-    each entry). The nested root finding of Algorithm 1 converges to the same point but pays a
-    whole inner solve per outer step.
-
-    Safeguards that make it converge from the solvers' starts: s moves only once the inner
-    residuals change no log q_i by more than 1/10 (before that, the steps are the inner
-    Newton's, at fixed s) and by at most one unit of any support entry's log q; each entry
-    steps in u or in z (`_inner_step`), into its bracket while any step is large; s stays in
-    [low, high].
-
-    The sum is written as the mass added to the support, whose rounding is a few ulps of R
-    rather than of 1: with R = 1e-20 (a support holding all but 1e-20 of the mass) nu still
-    comes out to full relative precision.
-
-    Returns (s, z, converged per row). A row is converged once its outer residual is at the
-    rounding floor (`roots.converged`, relative to R) and every inner residual is within
-    `INNER_FLOOR` (1 + |target| + beta u), a few roundings of H's terms (`_inner_solve` asks
-    for one and accepts four where the residual stagnates); or, saving the evaluation that
-    would confirm it, once both are below `LAST_STEP` of those scales and the step from there
-    is taken: Newton's error is then squared, below the floor. Rows stop as they converge
-    (the others go on alone).
+    Safeguards: s moves only once the inner steps change no log q_i by more than 1/10, and by
+    at most one unit of any support entry's log q; each entry steps in u or in z
+    (`_inner_step`); s stays in [low, high]. A row is converged once its outer residual is at
+    the rounding floor (`roots.converged`) and every inner one within `INNER_FLOOR` (1 +
+    |target| + beta u), or once both are below `LAST_STEP` of those and the step from there is
+    taken (Newton squares the error). Returns (s, z, converged per row); rows stop as they
+    converge.
     """
     n = s.shape[0]
     out_s, out_z = s.clone(), z.clone()
@@ -522,8 +508,10 @@ def dual_values(lp: Tensor, finite: Tensor, beta: Tensor, s: Tensor, z: Tensor |
         return (Multiplier(s, torch.where(finite, lp + u, lift), rate, lift),
                 torch.ones_like(s, dtype=torch.bool))
     target = s.unsqueeze(-1) - beta * lp
-    shaped = torch.minimum(_shaped_inner(beta, target), _inner_upper(beta, target))
-    z = shaped if z is None else torch.where(torch.isnan(z), shaped, z)  # (NaN: no start)
+    cold = None if z is None else torch.isnan(z)  # (NaN: no start)
+    if cold is None or bool(cold.any()):  # (one host read: two passes of softplus saved)
+        shaped = torch.minimum(_shaped_inner(beta, target), _inner_upper(beta, target))
+        z = shaped if cold is None else torch.where(cold, shaped, z)
     z, exact = _inner_steps(beta, lp, s, z, steps, EXACT_STEP)
     return values_at(lp, finite, beta, s, z), exact
 

@@ -50,16 +50,16 @@ from .generators import BregmanGenerator, generic_gap
 from .maps import log_deficit, log_renorm, solved
 from .numerics import bregman_alpha_kernel, logsubexp, logsumexp_masked
 from .primal import normalized, support_mask
+from .roots import Multiplier
 
 Tensor = torch.Tensor
 
 
 def _log_ratios(log_q: Tensor, log_q_next: Tensor, inside: Tensor, rho: Tensor | None
                 ) -> Tensor:
-    """rho_i = log(q_i / q'_i) on the support (0 elsewhere). From two normalized maps it carries
-    their rounding (about 1e-16 each), which is all of it where the maps barely differ (the
-    head of a long support: true rho ~ 1e-20): callers that solved both maps by their
-    multipliers pass it exact (``rho``, the difference of the maps' log(q / p))."""
+    """rho_i = log(q_i / q'_i) on the support (0 elsewhere); from two normalized maps it is all
+    rounding where they barely differ (rho ~ 1e-20), so callers with multipliers pass it exact
+    (``rho``, the difference of the maps' log(q / p))."""
     rho = log_q - log_q_next if rho is None else rho
     return torch.where(inside & torch.isfinite(rho), rho, 0.0)
 
@@ -123,10 +123,10 @@ def log_entry_term(mode: str, log_p: Tensor, log_q: Tensor, alpha: Tensor) -> Te
     b = alpha - 1.0
     positive = torch.isfinite(log_p)
     lp = torch.where(positive, log_p, 0.0)
-    moved = lp + torch.log(torch.expm1((log_q - lp).clamp_min(0.0)))
-    log_b2 = 2.0 * torch.log(b)
-    inner = torch.where(positive, torch.logaddexp(log_b2 + moved, lp), log_b2 + log_q)
-    return b * log_q + inner - torch.log(alpha * b)
+    # beta^2 (q - p) + p = beta^2 p (expm1(log(q / p)) + 1 / beta^2): positive terms.
+    rise = torch.expm1((log_q - lp).clamp_min(0.0))
+    inner = torch.where(positive, lp + torch.log(rise + 1.0 / (b * b)), log_q)
+    return b * log_q + inner + torch.log(b / alpha)
 
 
 def kl_gaps(prefix: Tensor, x: Tensor) -> Tensor:
@@ -171,14 +171,12 @@ def consecutive_gaps(family: Family | None, mode: str, cand: Candidates, start: 
                      count: int, alpha: Tensor, lam: Tensor,
                      generator: BregmanGenerator | None, s: Tensor | None,
                      state: Tensor | None) -> tuple[Tensor, Tensor]:
-    """log G(m) for m = start .. start + count - 1 per row ([n, count]), or a bound of it on
-    the same side of log lambda, from the maps of the count + 1 consecutive supports (start +
-    count <= candidates); and those maps (log T_m for m = start .. start + count, normalized,
-    [n, count + 1, C]). The maps are solved by their multipliers (`maps.solved`; ``s`` /
-    ``state``: warm starts): each one's own weak-duality bounds, G(m) <= w_(m+1)(s_m) and
-    G(m) >= w_(m+1)(s_(m+1)), decide most gaps (`log_entry_term`); the others are the exact
-    formulas above, the ratios q_i / q'_i exact from the multipliers (`_log_ratios`). A user
-    generator's maps are its generic ones, and its gaps `generators.generic_gap`."""
+    """log G(m) for m = start .. start + count - 1 ([n, count]), or a bound of it on the same
+    side of log lambda, and the maps log T_m, m = start .. start + count ([n, count + 1, C],
+    normalized; start + count <= candidates), solved by their multipliers (`maps.solved`;
+    ``s`` / ``state``: warm starts). Their weak-duality bounds (`log_entry_term`) decide most
+    gaps, the formulas above the others. A user generator's maps are its generic ones, and
+    its gaps `generators.generic_gap`."""
     sizes = start.unsqueeze(-1) + torch.arange(count + 1, device=start.device)
     width = cand.log_x.shape[-1]
     columns = min(width, int(sizes.max()) + 1)
@@ -217,3 +215,63 @@ def consecutive_gaps(family: Family | None, mode: str, cand: Candidates, start: 
         value[rows, j] = primal_log_gap(*pair, rho) if mode == "primal" else \
             dual_log_gap(log_p[rows], *pair, rho)
     return value, maps
+
+
+#: Largest |s_j - s| (s = log nu) for which `dual_series_gap` expands the maps of sizes j about
+#: the values at s (it omits terms of order 4 in s_j - s).
+SERIES_REACH = 1e-2
+
+
+def _cubic(c: Tensor, x: Tensor) -> Tensor:
+    """c[0] x + c[1] x^2 / 2 + c[2] x^3 / 6."""
+    return x * (c[0] + x * (c[1] / 2.0 + x * c[2] / 6.0))
+
+
+def dual_series_gap(log_p: Tensor, found: Multiplier, beta: Tensor, m: Tensor,
+                    log_r: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """log G*(m) from the values at one multiplier s near those of T*_m and T*_(m+1) (``found``
+    on m + 1 columns or more; ``log_r``: [n, 2] log R_m, log R_(m+1); ``beta``: [n, 1]), no
+    map solved. With M_j(s) = sum_(i<=j) q_i(s) and D_j the dual function of size j (D_j' =
+    1 - M_j in nu, D_j - D_(j+1) = w(p_(j+1), .)), Theorem 3.3's gap is
+
+        G*(m) = w(p_(m+1), nu_(m+1)) + integral from s_(m+1) to s_m of (1 - M_m(s)) e^s ds.
+
+    Each log q_i is a cubic in s about s: with y = log(q / p), e = expm1(y), g = 1 / (beta e
+    + 1), its derivatives are L1 = e g, L2 = L1 (e + 1) g^2, L3 = L1 (e + 1) g (g^3 + (2 - 2
+    beta) L1 g^2 - beta L1^2 g) (zero entries: 1 / beta, 0, 0); so is the added mass, whose
+    cubics give s_m and s_(m+1) (= R_j), and the integral term by term. Returns (log G*(m),
+    log T*_m and log T*_(m+1) on every column ([n, 2, C], not normalized), which rows the
+    expansion holds for: |s_j - s| <= `SERIES_REACH`)."""
+    finite = torch.isfinite(log_p)
+    e = torch.expm1(torch.where(finite, found.lift, 0.0))
+    g = torch.reciprocal(beta * e + 1.0)
+    one, lifted = e * g, e * g * (e + 1.0) * g
+    two, three = lifted * g, lifted * (g ** 3 + (2.0 - 2.0 * beta) * one * g * g
+                                       - beta * one * one * g)
+    one = torch.where(finite, one, torch.reciprocal(beta).expand_as(one))  # (two, three: 0)
+    # What each entry adds to the mass and its derivatives, summed up to m and m + 1.
+    q = torch.exp(found.log_q)
+    terms = torch.stack([torch.where(finite, torch.exp(log_p) * e, q), q * one,
+                         q * (two + one * one), q * (three + 3.0 * one * two + one ** 3)])
+    index = (torch.stack([m, m + 1], -1) - 1).unsqueeze(0).expand(4, -1, -1)
+    sums = terms.cumsum(-1).gather(2, index)  # [4, n, 2]
+    deficit = torch.exp(log_r)  # (s_j - s: Newton on the cubic of the added mass = R_j)
+    shift = (deficit - sums[0]) / sums[1]
+    for _ in range(4):
+        shift = shift - (_cubic(sums[1:], shift) + sums[0] - deficit) \
+            / (sums[1] + shift * (sums[2] + shift * sums[3] / 2.0))
+    log_q = found.log_q.unsqueeze(1) + _cubic(torch.stack([one, two, three]).unsqueeze(2),
+                                              shift.unsqueeze(-1))
+    at = m.unsqueeze(-1)  # (entry m + 1 of the map of size m + 1)
+    last = log_entry_term("dual", log_p.gather(1, at).squeeze(-1),
+                          log_q[:, 1].gather(1, at).squeeze(-1), beta.squeeze(-1) + 1.0)
+    # 1 - M_m(s_m - v) = A1 v - A2 v^2 / 2 + A3 v^3 / 6 (the mass's derivatives at s_m) against
+    # e^(s_m - v) for v from 0 to s_m - s_(m+1): moments int v^n e^-v by their series.
+    low, width = shift[:, 0], (shift[:, 0] - shift[:, 1]).clamp_min(0.0)
+    a1, a2, a3 = sums[1:, :, 0]
+    moments = [width ** (n + 1) * sum((-width) ** t / (math.factorial(t) * (n + t + 1))
+                                     for t in range(8)) for n in (1, 2, 3)]
+    integral = ((a1 + low * (a2 + low * a3 / 2.0)) * moments[0]
+                - (a2 + low * a3) * moments[1] / 2.0 + a3 * moments[2] / 6.0)
+    log_gap = torch.logaddexp(last, found.s + low + torch.log(integral))
+    return log_gap, log_q, (shift.abs() <= SERIES_REACH).all(-1) & (integral > 0)

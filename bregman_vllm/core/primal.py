@@ -232,7 +232,7 @@ def primal_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
         water = _water_level(torch.where(fin, torch.exp(lpi), 0.0), mask[i, :near],
                              log_deficit[i])
         first = torch.minimum(first, torch.log(water[..., 0]))
-        low = torch.minimum(low, first)
+        low = torch.where(k[i] == 1, high, torch.minimum(low, first))  # (size 1: q_1 = 1, given)
         bcol = b.unsqueeze(-1)
 
         def level_equation(tau: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -252,7 +252,7 @@ def primal_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
     if i.numel():
         lpi, fin, kp, b = log_p[i, :near], finite[i], keep[i], beta[i]
         high = (-top[i]).clamp_min(0.0)
-        low = torch.zeros_like(high)
+        low = torch.where(k[i] == 1, high, 0.0)
         u_col = (top[i]).unsqueeze(-1)
         bcol = b.unsqueeze(-1)
 

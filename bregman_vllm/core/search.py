@@ -28,12 +28,13 @@ Pipeline of one round (`support_sizes`), vectorized over rows (loops run over pr
    D(s) = log w_(m+1)(s) - log lambda, m = n + 1 the size whose scalar s is, inside the bracket
    of s that the signs of D keep; its slope counts how m moves with s. A few probes bring the
    bracket of k* down to one or two sizes, none needing a map.
-3. The last sizes by exact gaps (`_settle`): G(m) from the maps T_m and T_(m+1) (`maps.solved`,
-   warm-started at the last probe's scalar), the ratios q_i / q'_i exact from their
-   multipliers; binary search (Algorithm 2) where more than `SETTLE` sizes are left. User
-   generators (no multiplier) take this binary search from the start, on their generic maps.
-   The families with closed-form gaps (`families.CLOSED_GAP_FAMILIES`) read every gap of a
-   round at once (`window.closed_sizes`).
+3. The last sizes by exact gaps (`_settle`). Dual rows two sizes apart (the common end) by
+   the gap's series about the last probe's s (`_pair`, `gaps.dual_series_gap`: no map
+   solved); the others from the maps T_m and T_(m+1) (`maps.solved`, warm-started at the last
+   probe's scalar), all at once where at most `SETTLE` sizes are left, else by Algorithm 2's
+   binary search. User generators (no multiplier) take this binary search from the start, on
+   their generic maps. The families with closed-form gaps (`families.CLOSED_GAP_FAMILIES`)
+   read every gap of a round at once (`window.closed_sizes`).
 4. log T_k* kept from the last exact gap where it has it (else `step` solves it, `maps`).
 """
 
@@ -47,9 +48,13 @@ import torch
 from .candidates import UNBOUNDED, Candidates, take
 from .dual import INNER_STEPS, dual_range, dual_values
 from .families import CLOSED_GAP_FAMILIES, QUADRATIC_DUAL_FAMILIES, Family
-from .gaps import consecutive_gaps, dual_log_gap, log_entry_term, primal_log_gap
+from .gaps import (
+    consecutive_gaps,
+    dual_series_gap,
+    log_entry_term,
+)
 from .generators import BregmanGenerator
-from .maps import log_deficit, solved
+from .maps import log_deficit
 from .plan import ExactPlan
 from .primal import level_range, normalized, primal_values, support_mask, top_range
 from .roots import Multiplier
@@ -58,9 +63,9 @@ from .window import closed_sizes, support_range
 Tensor = torch.Tensor
 
 #: Probes on the multiplier before the search leaves the rest to exact gaps, and the dual's
-#: Newton steps of its inner equations per probe.
+#: Newton steps of its inner equations per probe: while steering (from the shaped start), then.
 PROBES = 40
-PROBE_STEPS = 2
+STEER_STEPS, PROBE_STEPS = 1, 2
 #: |D| at which the probes' Newton steps aim, on alternating sides of the root (`_probe`), and
 #: below which the dual's probes solve their inner equations (above it they only steer).
 STRADDLE = 1e-6
@@ -69,6 +74,11 @@ STEER = 0.1
 STEERING = 3
 #: Sizes the exact gaps decide at once (`_settle`); a wider bracket is halved first.
 SETTLE = 4
+#: Distance of log G from log lambda, per unit of |log lambda| + 1, within which the series gap
+#: (`_pair`) decides nothing (25x its largest error measured within `gaps.SERIES_REACH`), and
+#: the sizes it is tried from (below, adjacent sizes' scalars are rarely that close).
+SERIES_TOLERANCE = 1e-8
+SERIES_FROM = 256
 #: Rounding bound of a sum of n positive float64 terms, per term (recursive summation).
 SUM_ROUNDING = 2.3e-16
 #: Relative rounding bound of log w against log lambda, per unit of |log lambda| + 1.
@@ -96,16 +106,16 @@ class _Rows(NamedTuple):
         return cls(cand.log_x, torch.where(finite, cand.log_x, 0.0), finite, cand.x,
                    cand.deficit, alpha.to(cand.x.dtype).unsqueeze(-1), torch.log(lam))
 
-    def take(self, rows: Tensor) -> _Rows:
-        return _Rows(*(t[rows] for t in self))
+    def cut(self, rows: Tensor | slice, columns: int | None = None) -> _Rows:  # (first columns)
+        return _Rows(*(t[rows, :columns] if t.dim() == 2 and t.shape[-1] > 1 else t[rows]
+                       for t in self))
 
 
 def _values(kind: int, family: Family | None, rows: _Rows, s: Tensor,
             start: Tensor | None, steps: int) -> tuple[Multiplier, Tensor]:
-    """Every candidate's value at the scalar s (`roots.Multiplier`; rate: d log q / d s) and
-    which rows have them exact: the dual's inner roots get ``steps`` Newton steps from the last
-    probe's (their errors shrink as the probes close in, as in a joint Newton; none: the
-    primal-shaped approximation, `dual._shaped_inner`, which only steers)."""
+    """Every candidate's value at the scalar s (`roots.Multiplier`) and which rows have them
+    exact: the dual's inner roots get ``steps`` Newton steps from ``start`` (None or NaN: from
+    the shaped approximation, `dual._shaped_inner`)."""
     beta = rows.alpha - 1.0
     if kind:
         values = primal_values(rows.lp, rows.finite, beta, s, kind == 1)
@@ -246,7 +256,7 @@ def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tenso
     nan = torch.full_like(s, math.nan)
     walk = _Walk(torch.arange(n, device=low.device), s, s_low, s_high, nan, nan,
                  torch.zeros_like(low, dtype=torch.bool), torch.zeros_like(low))
-    sub, start, steps = rows, None, 0  # (the first probes of the dual only steer: `_values`)
+    sub, start, steps, steering = rows, None, STEER_STEPS, True  # (`_values`)
     full = columns = width
     wider = torch.zeros_like(low, dtype=torch.bool)
     for probe in range(PROBES):
@@ -297,15 +307,14 @@ def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tenso
             found.size[keep].max().to(s.dtype)]).tolist()
         need = min(full, int(widest) + 2)
         solve = far < STEER or probe + 1 >= STEERING  # (steering ends near the root, or soon)
-        if not steps and solve:  # (its first probe solves until the inner roots are exact)
-            columns, steps = min(need, 2 * int(reached) + 64), INNER_STEPS
-        elif steps:
+        if steering and solve:  # (its first probe solves until the inner roots are exact)
+            columns, steps, steering = min(need, 2 * int(reached) + 64), INNER_STEPS, False
+        elif not steering:
             columns = need if reached + 1 >= columns else min(columns, need)
             steps = PROBE_STEPS
         if keep.numel() < go.numel() or columns != sub.p.shape[-1]:
             walk = walk.take(keep)
-            sub = _Rows(*(t[walk.index, :columns] if t.dim() == 2 and t.shape[-1] > 1
-                          else t[walk.index] for t in rows))
+            sub = rows.cut(walk.index, columns)
             if start is not None:  # (NaN: no warm start, past the last probe's columns)
                 start = torch.nn.functional.pad(start[keep, :columns],
                                                 (0, columns - min(columns, start.shape[-1])),
@@ -316,78 +325,44 @@ def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tenso
 # ----------------------------------------------------------------------------- 4. exact gaps
 
 
-def _pair(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, lam: Tensor,
-          low: Tensor, s: Tensor | None, state: Tensor | None) -> tuple[Tensor, Tensor]:
-    """k* of rows whose bracket is two sizes, low and high = low + 1 (the search's common end):
-    the map of high first (`maps.solved`, warm-started), whose own bound G(low) >=
-    w_high(s_high) > lambda makes k* = high; where it does not, the map of low, whose bound
-    G(low) <= w_high(s_low) <= lambda makes k* = low; where neither does, the exact gap of the
-    two (`gaps`). Returns (k, log T_k [n, C])."""
-    n, width = cand.log_x.shape
-    high = low + 1
-    columns = min(width, int(high.max()) + 1)
-    log_p, log_lam = cand.log_x[:, :columns], torch.log(lam)
-    a = alpha.to(log_p.dtype).unsqueeze(-1)
-
-    def map_at(rows: Tensor, m: Tensor) -> Multiplier:
-        return solved(family, mode, log_p[rows], m, alpha[rows], log_deficit(take(cand, rows), m),
-                      None if s is None else s[rows],
-                      None if state is None else state[rows, :columns])
-
-    def term(rows: Tensor, found: Multiplier, j: Tensor) -> Tensor:  # w_j at the map's scalar
-        col = (j - 1).clamp_max(columns - 1).unsqueeze(-1)
-        return log_entry_term(mode, log_p[rows].gather(1, col), found.log_q.gather(1, col),
-                              a[rows]).squeeze(-1)
-
-    every = torch.arange(n, device=low.device)
-    upper = map_at(every, high)
-    k = high.clone()
-    out = normalized(upper.log_q, support_mask(high, columns))
-    rest = (term(every, upper, high) <= log_lam).nonzero().squeeze(-1)
-    if rest.numel():
-        lower = map_at(rest, low[rest])
-        at = (term(rest, lower, high[rest]) <= log_lam[rest]) & (high[rest] <= width)
-        both = (~at).nonzero().squeeze(-1)
-        if both.numel():
-            rows = rest[both]
-            maps = [normalized(m.log_q[i], support_mask(size[rows], columns))
-                    for m, i, size in ((lower, both, low), (upper, rows, high))]
-            rho = lower.lift[both] - upper.lift[rows]
-            pair = (maps[0], maps[1], low[rows], a[rows, 0])
-            gap = primal_log_gap(*pair, rho) if mode == "primal" else \
-                dual_log_gap(log_p[rows], *pair, rho)
-            at[both] = gap <= log_lam[rows]
-        lows = rest[at]
-        k[lows] = low[lows]
-        out[lows] = normalized(lower.log_q[at], support_mask(low[lows], columns))
-    return k, out
+def _pair(family: Family | None, cand: Candidates, alpha: Tensor, lam: Tensor, low: Tensor,
+          s: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """k* of dual rows whose bracket is two sizes, low and low + 1, by the gap's series about
+    the last probe's scalar s (`gaps.dual_series_gap`, no map solved), where it holds and log G
+    is farther than `SERIES_TOLERANCE` from log lambda. Returns (k, log T_k [n, C], which rows
+    it decided: the others take two maps and the exact gap)."""
+    columns = min(cand.log_x.shape[-1], int(low.max()) + 2)
+    rows = _Rows.of(cand, alpha, lam).cut(slice(None), columns)
+    values, exact = _values(0, family, rows, s, None if state is None else state[:, :columns],
+                            INNER_STEPS)
+    log_gap, log_q, holds = dual_series_gap(rows.log_p, values, rows.alpha - 1.0, low,
+                                            log_deficit(cand, torch.stack([low, low + 1], -1)))
+    far = (log_gap - rows.log_lam).abs() > SERIES_TOLERANCE * (1.0 + rows.log_lam.abs())
+    above = (log_gap > rows.log_lam).long()
+    k = low + above
+    log_q = log_q.gather(1, above.view(-1, 1, 1).expand(-1, 1, columns)).squeeze(1)
+    return k, normalized(log_q, support_mask(k, columns)), holds & exact & far & s.isfinite()
 
 
 def _settle(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, lam: Tensor,
             low: Tensor, high: Tensor, generator: BregmanGenerator | None,
             s: Tensor | None, state: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """The smallest k in [low, high] with G(k) <= lambda (or high) by exact gaps: every size
-    at once where every row has the same few left (at most `SETTLE`); else one gap per step
-    at the size where log G,
-    interpolated in log k between the bracket's ends, meets log lambda (regula falsi; the
-    geometric middle while an end has no value), kept in the bracket's middle half (so each
-    step removes a quarter of it at least: Algorithm 2's binary search, sped up). ``high``
+    """The smallest k in [low, high] with G(k) <= lambda (or high) by exact gaps: dual rows two
+    sizes apart by the series (`_pair`) first; every size at once where every row has the same
+    few left (at most `SETTLE`); else Algorithm 2's binary search, one gap per step. ``high``
     must be within the candidates. Returns (k, log T_k where a gap's maps held it ([n, W],
     -inf rows otherwise), which rows have it)."""
     low, high = low.clone(), high.clone()
     n, width = cand.log_x.shape
-    dtype = cand.log_x.dtype
-    cache = torch.full((n, width), -math.inf, dtype=dtype, device=low.device)
+    cache = torch.full((n, width), -math.inf, dtype=cand.log_x.dtype, device=low.device)
     cached = torch.zeros_like(low, dtype=torch.bool)
     log_lam = torch.log(lam)
-    # log G(low - 1) > log lambda and log G(high) <= log lambda where known (NaN: not yet)
-    ends = torch.full((2, n), math.nan, dtype=dtype, device=low.device)
-    if generator is None:  # (rows two sizes apart, the search's common end: `_pair`)
-        rows = (high - low == 1).nonzero().squeeze(-1)
+    if mode == "dual" and s is not None:  # (rows two sizes apart, the search's common end)
+        rows = ((high - low == 1) & (low >= SERIES_FROM)).nonzero().squeeze(-1)
         if rows.numel():
-            k, maps = _pair(family, mode, take(cand, rows), alpha[rows], lam[rows], low[rows],
-                            None if s is None else s[rows],
-                            None if state is None else state[rows])
+            k, maps, decided = _pair(family, take(cand, rows), alpha[rows], lam[rows],
+                                     low[rows], s[rows], None if state is None else state[rows])
+            rows, k, maps = rows[decided], k[decided], maps[decided]
             low[rows], high[rows], cached[rows] = k, k, True
             cache[rows, : maps.shape[-1]] = maps
     while True:
@@ -396,17 +371,8 @@ def _settle(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
             return low, cache, cached & (low == high)
         lo, hi = low[active], high[active]
         span = hi - lo
-        if int(span.min()) == int(span.max()) <= SETTLE:
-            count, first = int(span[0]), lo  # every size left at once
-        else:
-            count = 1
-            below, above = ends[0, active], ends[1, active]
-            a, b = (lo - 1).clamp_min(1).to(dtype).log(), hi.to(dtype).log()
-            t = (below - log_lam[active]) / (below - above)
-            guess = torch.exp(torch.where(torch.isfinite(t), a + t * (b - a), 0.5 * (a + b)))
-            quarter = span // 4
-            first = torch.minimum(torch.maximum(guess.round().long(), lo + quarter),
-                                  hi - 1 - quarter)
+        every = int(span.min()) == int(span.max()) <= SETTLE  # (every size left at once)
+        count, first = (int(span[0]), lo) if every else (1, lo + span // 2)
         first = torch.minimum(first, hi - 1).clamp_max(width - count)  # T_(first + count) exists
         log_gap, maps = consecutive_gaps(
             family, mode, take(cand, active), first, count, alpha[active], lam[active],
@@ -418,9 +384,6 @@ def _settle(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
         new_lo = torch.maximum(lo, torch.where(exceeds & inside, sizes + 1, 0).amax(-1))
         new_hi = torch.minimum(hi, torch.where(~exceeds & inside, sizes, hi.unsqueeze(-1))
                                .amin(-1))
-        if count == 1:
-            ends[0, active] = torch.where(new_lo > lo, log_gap[:, 0], ends[0, active])
-            ends[1, active] = torch.where(new_hi < hi, log_gap[:, 0], ends[1, active])
         low[active], high[active] = new_lo, new_hi
         offset = new_lo - first
         hit = (new_lo == new_hi) & (offset >= 0) & (offset <= count)
@@ -463,12 +426,11 @@ def support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor
         done[adaptive] = (found < width) | (hi <= width)
         return k, cache, cached, done
     s = state = None
+    wider = torch.zeros_like(lo, dtype=torch.bool)
     if plan.generator is None:
         lo, hi, s, state, wider = _search_rows(plan, sub, a, lm, lo, hi)
     # Every row settles inside this round but those whose k* is known to pass it.
-    past = (hi > width) & (lo >= width - 1)
-    if plan.generator is None:
-        past |= wider
+    past = ((hi > width) & (lo >= width - 1)) | wider
     hi = torch.minimum(hi, torch.full_like(hi, width))
     found = lo.clone()
     part = (~past).nonzero().squeeze(-1)
@@ -513,7 +475,7 @@ def _search_rows(plan: ExactPlan, cand: Candidates, alpha: Tensor, lam: Tensor, 
                 ).nonzero().squeeze(-1)
         if part.numel() == 0:
             continue
-        got = _search(plan.mode, kind, plan.family, rows.take(part), lo[part], hi[part])
+        got = _search(plan.mode, kind, plan.family, rows.cut(part), lo[part], hi[part])
         # (the maps' solvers take delta itself below alpha = 1, `primal.primal_multiplier`)
         lo[part], hi[part] = got[0], got[1]
         s[part] = got[2].exp() if kind == 2 else got[2]

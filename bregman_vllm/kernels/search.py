@@ -27,7 +27,9 @@ Differences from the torch path, none of which changes what is certified: one ro
 map's dual inner roots are solved by the nested Newton of Algorithm 1 (the torch path's
 `dual._nested`, its fallback; its first choice is a joint Newton over (s, z)); the exact gaps
 of the last `SETTLE` sizes are taken in increasing size, one at a time, stopping at the first
-that is at most lambda (the gaps are nonincreasing).
+that is at most lambda (the gaps are nonincreasing); dual rows two sizes apart take the maps'
+gap here, where the torch path first tries the gap's series about the last probe
+(`search._pair`: it holds for k* in the thousands, past any candidate set here).
 
 Float64 throughout (`formulas`' exp64 / log64: libdevice on a GPU, numpy under the
 interpreter).
@@ -62,6 +64,7 @@ from .formulas import (
 #: The torch search's constants (`search`, `dual`, `roots`).
 PROBES = tl.constexpr(_search.PROBES)
 PROBE_STEPS = tl.constexpr(_search.PROBE_STEPS)
+STEER_STEPS = tl.constexpr(_search.STEER_STEPS)
 STRADDLE = tl.constexpr(_search.STRADDLE)
 #: |D| below which the dual's probes solve their inner roots (above it the primal-shaped
 #: approximation only steers), and the steering probes at most.
@@ -605,7 +608,8 @@ def probes(dual, kind, closed, log_p, lp, finite, p, deficit, alpha, log_lam, lo
     d_high = nan
     above = low < 0  # (False)
     stale = low * 0
-    steps = tl.full((), 0, tl.int32)  # (the dual's first probes only steer)
+    steps = tl.full((), STEER_STEPS, tl.int32)  # (the dual's first probes only steer)
+    steering = steps >= 0  # (True)
     columns = low * 0 + C
     count = tl.full((), 0, tl.int32)
     go = count == 0
@@ -654,7 +658,8 @@ def probes(dual, kind, closed, log_p, lp, finite, p, deficit, alpha, log_lam, lo
         # (the first probe that solves the inner roots goes on until they are exact; steering
         # ends near the root, or soon)
         solve = (tl.abs(residual) < STEER) | (count >= STEERING)
-        steps = tl.where(steps > 0, PROBE_STEPS, tl.where(solve, INNER_STEPS, 0))
+        steps = tl.where(steering, tl.where(solve, INNER_STEPS, STEER_STEPS), PROBE_STEPS)
+        steering = steering & ~solve
         s = s_next
     return low, high, last, state, wider
 
@@ -887,15 +892,11 @@ def decide_gap(dual, log_p, alpha, log_lam, m, log_q, lift, log_q_next, lift_nex
 @device
 def settle(dual, kind, closed, log_p, lp, finite, deficit, alpha, log_lam, low, high, s, z,
            positions, C: tl.constexpr):
-    """`search._settle` (and `search._pair`): the smallest k in [low, high] with G(k) <= lambda
-    (or high) by exact gaps: where at most `SETTLE` sizes are left, the gap at the bracket's
-    low end (the next size's map is the one kept); else one gap at the size where log G,
-    interpolated in log k between the bracket's ends, meets log lambda (regula falsi, the
-    geometric middle while an end has no value), kept in the bracket's middle half. Each gap
-    G(m) from the map of m + 1 first (its own bound), then that of m. Returns (k, the map T_k
-    normalized where a gap's maps held it, whether they did)."""
-    below = tl.full((), float("nan"), tl.float64)  # log G(low - 1) > log lambda
-    above = below  # log G(high) <= log lambda
+    """`search._settle`: the smallest k in [low, high] with G(k) <= lambda (or high) by exact
+    gaps: where at most `SETTLE` sizes are left, the gap at the bracket's low end (the next
+    size's map is the one kept); else Algorithm 2's binary search. Each gap G(m) from the map
+    of m + 1 first (its own bound), then that of m. Returns (k, the map T_k normalized where a
+    gap's maps held it, whether they did)."""
     held = low * 0 - 1  # the size of the map in hand (``held_*``)
     held_s = s
     held_z = z
@@ -905,19 +906,10 @@ def settle(dual, kind, closed, log_p, lp, finite, deficit, alpha, log_lam, low, 
     answer_q = held_q
     while low < high:
         span = high - low
-        if span <= SETTLE:
-            m = low
-        else:
-            a = log64(tl.maximum(low - 1, 1).to(tl.float64))
-            b = log64(high.to(tl.float64))
-            t = (below - log_lam) / (below - above)
-            guess = exp64(tl.where(isfinite64(t), a + t * (b - a), 0.5 * (a + b)))
-            quarter = span // 4
-            m = tl.minimum(tl.maximum((guess + 0.5).to(tl.int64), low + quarter),
-                           high - 1 - quarter)
+        m = tl.where(span <= SETTLE, low, low + span // 2)
         m = tl.minimum(tl.minimum(m, high - 1), C - 1)  # (T_(m + 1) exists)
         # The map of m + 1 first: its own bound G(m) >= w_(m+1)(s_(m+1)) > lambda decides
-        # most such gaps without the map of m (`search._pair`).
+        # most such gaps without the map of m.
         s_next, q_next, lift_next, z_next = solve_map(
             kind, closed, log_p, lp, finite, alpha, deficit, m + 1, held_s, held_z, positions, C)
         value = log_entry_term(dual, at(log_p, positions, m), at(q_next, positions, m), alpha)
@@ -930,13 +922,11 @@ def settle(dual, kind, closed, log_p, lp, finite, deficit, alpha, log_lam, low, 
                                lift_next, positions)
         if value > log_lam:
             low = m + 1
-            below = value
             if low == high:
                 answer = low
                 answer_q = normalized(q_next, positions < low)
         else:
             high = m
-            above = value
             if low == high:
                 answer = m
                 answer_q = normalized(held_q, positions < m)
