@@ -41,6 +41,7 @@ Closed forms over all k at once (prefix sums; S_k = sum_{i<=k} p_i, R_k = 1 - S_
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -227,21 +228,23 @@ def _cubic(c: Tensor, x: Tensor) -> Tensor:
     return x * (c[0] + x * (c[1] / 2.0 + x * c[2] / 6.0))
 
 
-def dual_series_gap(log_p: Tensor, found: Multiplier, beta: Tensor, m: Tensor,
-                    log_r: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """log G*(m) from the values at one multiplier s near those of T*_m and T*_(m+1) (``found``
-    on m + 1 columns or more; ``log_r``: [n, 2] log R_m, log R_(m+1); ``beta``: [n, 1]), no
-    map solved. With M_j(s) = sum_(i<=j) q_i(s) and D_j the dual function of size j (D_j' =
-    1 - M_j in nu, D_j - D_(j+1) = w(p_(j+1), .)), Theorem 3.3's gap is
+def dual_series_gap(log_p: Tensor, found: Multiplier, beta: Tensor, sizes: Tensor,
+                    log_r: Tensor) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
+    """log G*(j), j = m .. m + c - 1, from the values at one multiplier s near those of the
+    maps T*_j, j = m .. m + c (``sizes``, [n, c + 1], within the columns of ``found``;
+    ``log_r``: their log R_j; ``beta``: [n, 1]), no map solved. With M_j(s) = sum_(i<=j)
+    q_i(s) and D_j the dual function of size j (D_j' = 1 - M_j in nu, D_j - D_(j+1) =
+    w(p_(j+1), .)), Theorem 3.3's gap is
 
-        G*(m) = w(p_(m+1), nu_(m+1)) + integral from s_(m+1) to s_m of (1 - M_m(s)) e^s ds.
+        G*(j) = w(p_(j+1), nu_(j+1)) + integral from s_(j+1) to s_j of (1 - M_j(s)) e^s ds.
 
     Each log q_i is a cubic in s about s: with y = log(q / p), e = expm1(y), g = 1 / (beta e
     + 1), its derivatives are L1 = e g, L2 = L1 (e + 1) g^2, L3 = L1 (e + 1) g (g^3 + (2 - 2
     beta) L1 g^2 - beta L1^2 g) (zero entries: 1 / beta, 0, 0); so is the added mass, whose
-    cubics give s_m and s_(m+1) (= R_j), and the integral term by term. Returns (log G*(m),
-    log T*_m and log T*_(m+1) on every column ([n, 2, C], not normalized), which rows the
-    expansion holds for: |s_j - s| <= `SERIES_REACH`)."""
+    cubics give each s_j (= R_j), and the integral term by term. Returns (log G* [n, c], which
+    gaps the expansion holds for [n, c]: |s_j - s| and |s_(j+1) - s| <= `SERIES_REACH`, and
+    the map of the j-th size per row (j: [n] in 0 .. c; log T*_j on every column, not
+    normalized))."""
     finite = torch.isfinite(log_p)
     e = torch.expm1(torch.where(finite, found.lift, 0.0))
     g = torch.reciprocal(beta * e + 1.0)
@@ -249,29 +252,30 @@ def dual_series_gap(log_p: Tensor, found: Multiplier, beta: Tensor, m: Tensor,
     two, three = lifted * g, lifted * (g ** 3 + (2.0 - 2.0 * beta) * one * g * g
                                        - beta * one * one * g)
     one = torch.where(finite, one, torch.reciprocal(beta).expand_as(one))  # (two, three: 0)
-    # What each entry adds to the mass and its derivatives, summed up to m and m + 1.
+    # What each entry adds to the mass and its derivatives, summed up to each size.
     q = torch.exp(found.log_q)
     terms = torch.stack([torch.where(finite, torch.exp(log_p) * e, q), q * one,
                          q * (two + one * one), q * (three + 3.0 * one * two + one ** 3)])
-    index = (torch.stack([m, m + 1], -1) - 1).unsqueeze(0).expand(4, -1, -1)
-    sums = terms.cumsum(-1).gather(2, index)  # [4, n, 2]
+    sums = terms.cumsum(-1).gather(2, (sizes - 1).unsqueeze(0).expand(4, -1, -1))  # [4, n, c+1]
     deficit = torch.exp(log_r)  # (s_j - s: Newton on the cubic of the added mass = R_j)
     shift = (deficit - sums[0]) / sums[1]
     for _ in range(4):
         shift = shift - (_cubic(sums[1:], shift) + sums[0] - deficit) \
             / (sums[1] + shift * (sums[2] + shift * sums[3] / 2.0))
-    log_q = found.log_q.unsqueeze(1) + _cubic(torch.stack([one, two, three]).unsqueeze(2),
-                                              shift.unsqueeze(-1))
-    at = m.unsqueeze(-1)  # (entry m + 1 of the map of size m + 1)
-    last = log_entry_term("dual", log_p.gather(1, at).squeeze(-1),
-                          log_q[:, 1].gather(1, at).squeeze(-1), beta.squeeze(-1) + 1.0)
-    # 1 - M_m(s_m - v) = A1 v - A2 v^2 / 2 + A3 v^3 / 6 (the mass's derivatives at s_m) against
-    # e^(s_m - v) for v from 0 to s_m - s_(m+1): moments int v^n e^-v by their series.
-    low, width = shift[:, 0], (shift[:, 0] - shift[:, 1]).clamp_min(0.0)
-    a1, a2, a3 = sums[1:, :, 0]
+    derivatives = torch.stack([one, two, three])
+    at = sizes[:, :-1].clamp_max(log_p.shape[-1] - 1)  # (entry j + 1 of the map of size j + 1)
+    entry = derivatives.gather(2, at.unsqueeze(0).expand(3, -1, -1))
+    last = log_entry_term("dual", log_p.gather(1, at),
+                          found.log_q.gather(1, at) + _cubic(entry, shift[:, 1:]), beta + 1.0)
+    # 1 - M_j(s_j - v) = A1 v - A2 v^2 / 2 + A3 v^3 / 6 (the mass's derivatives at s_j) against
+    # e^(s_j - v) for v from 0 to s_j - s_(j+1): moments int v^n e^-v by their series.
+    low, width = shift[:, :-1], (shift[:, :-1] - shift[:, 1:]).clamp_min(0.0)
+    a1, a2, a3 = sums[1:, :, :-1]
     moments = [width ** (n + 1) * sum((-width) ** t / (math.factorial(t) * (n + t + 1))
                                      for t in range(8)) for n in (1, 2, 3)]
     integral = ((a1 + low * (a2 + low * a3 / 2.0)) * moments[0]
                 - (a2 + low * a3) * moments[1] / 2.0 + a3 * moments[2] / 6.0)
-    log_gap = torch.logaddexp(last, found.s + low + torch.log(integral))
-    return log_gap, log_q, (shift.abs() <= SERIES_REACH).all(-1) & (integral > 0)
+    log_gap = torch.logaddexp(last, found.s.unsqueeze(-1) + low + torch.log(integral))
+    near = shift.abs() <= SERIES_REACH
+    return log_gap, near[:, :-1] & near[:, 1:] & (integral > 0), \
+        lambda j: found.log_q + _cubic(derivatives, shift.gather(1, j.unsqueeze(-1)))

@@ -29,7 +29,7 @@ Pipeline of one round (`support_sizes`), vectorized over rows (loops run over pr
    of s that the signs of D keep; its slope counts how m moves with s. A few probes bring the
    bracket of k* down to one or two sizes, none needing a map.
 3. The last sizes by exact gaps (`_settle`). Dual rows two sizes apart (the common end) by
-   the gap's series about the last probe's s (`_pair`, `gaps.dual_series_gap`: no map
+   the gap's series about the last probe's s (`_series`, `gaps.dual_series_gap`: no map
    solved); the others from the maps T_m and T_(m+1) (`maps.solved`, warm-started at the last
    probe's scalar), all at once where at most `SETTLE` sizes are left, else by Algorithm 2's
    binary search. User generators (no multiplier) take this binary search from the start, on
@@ -75,10 +75,10 @@ STEERING = 3
 #: Sizes the exact gaps decide at once (`_settle`); a wider bracket is halved first.
 SETTLE = 4
 #: Distance of log G from log lambda, per unit of |log lambda| + 1, within which the series gap
-#: (`_pair`) decides nothing (25x its largest error measured within `gaps.SERIES_REACH`), and
+#: (`_series`) decides nothing (25x its largest error measured within `gaps.SERIES_REACH`), and
 #: the sizes it is tried from (below, adjacent sizes' scalars are rarely that close).
 SERIES_TOLERANCE = 1e-8
-SERIES_FROM = 256
+SERIES_FROM = 4096
 #: Rounding bound of a sum of n positive float64 terms, per term (recursive summation).
 SUM_ROUNDING = 2.3e-16
 #: Relative rounding bound of log w against log lambda, per unit of |log lambda| + 1.
@@ -136,17 +136,6 @@ def _ends(kind: int, rows: _Rows, size: Tensor) -> tuple[Tensor, Tensor, Tensor]
     return dual_range(rows.lp, rows.finite, rows.alpha - 1.0, log_r, size)
 
 
-def _term_slope(mode: str, alpha: Tensor, lift: Tensor, finite: Tensor) -> Tensor:
-    """d log w / d log q at fixed p, for entries with lift log(q / p): alpha (primal);
-    beta + beta^2 / (beta^2 + (1 - beta^2) p / q) (dual: w = q^beta [beta^2 (q - p) + p] /
-    (alpha beta); zero entries alpha)."""
-    if mode == "primal":
-        return alpha
-    b = alpha - 1.0
-    ratio = torch.exp(-lift.clamp_min(0.0))  # p / q
-    return torch.where(finite, b + b * b / (b * b + (1.0 - b * b) * ratio), alpha)
-
-
 class _Probe(NamedTuple):
     """What one probe at s certifies and where it points: the bracket of k* (none where its
     values are not exact yet), the size m whose scalar s is (capped to the candidates), D(s)
@@ -189,7 +178,11 @@ def _probe(mode: str, kind: int, family: Family | None, rows: _Rows, s: Tensor,
     m = size.clamp(1, width - 1).unsqueeze(-1)
     residual = log_w.gather(1, m).squeeze(-1) - rows.log_lam
     at_m = [t.gather(1, m).squeeze(-1) for t in (values.lift, values.rate, q, rows.finite)]
-    slope_q = _term_slope(mode, rows.alpha.squeeze(-1), at_m[0], at_m[3]) * at_m[1]
+    # d log w / d log q at fixed p: alpha (primal, zero entries); beta + beta^2 / (beta^2 +
+    # (1 - beta^2) p / q) (dual, from w = q^beta [beta^2 (q - p) + p] / (alpha beta)).
+    a, b, ratio = rows.alpha.squeeze(-1), rows.alpha.squeeze(-1) - 1.0, torch.exp(-at_m[0])
+    dual = (mode == "dual") & at_m[3]
+    slope_q = torch.where(dual, b + b * b / (b * b + (1.0 - b * b) * ratio), a) * at_m[1]
     inside = torch.arange(width, device=s.device) < m
     moves = -torch.where(inside, q * values.rate, 0.0).sum(-1) / at_m[2]
     # (d log w_j / d j over a stencil of about m / 64 entries: adjacent entries of long
@@ -238,11 +231,9 @@ def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tenso
             high: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
     """Probes on the multiplier (module docstring, step 2) for rows of one kind, until their
     bracket [low, high] of k* is one size wide, or at most `SETTLE` wide and no longer
-    narrowing (or three probes in a row: ties, where the weak-duality bounds cannot part the
-    sizes and exact gaps do), or known to pass the candidates, or pointed past them (an exact
-    probe whose scalar lies below every candidate size's). Returns (low, high, the last
-    probe's scalar per row and the dual's inner unknowns there: warm starts for the maps, which
-    rows were pointed past the candidates: they go on in a wider round)."""
+    narrowing (or three probes in a row: ties), or known to pass the candidates, or pointed
+    past them. Returns (low, high, the last probe's scalar and the dual's inner unknowns there
+    (warm starts), which rows were pointed past the candidates: a wider round's)."""
     n, width = rows.p.shape
     low, high = low.clone(), high.clone()
     top_size = torch.minimum(high, torch.full_like(high, width)).sub(1).clamp_min(1)
@@ -325,30 +316,33 @@ def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tenso
 # ----------------------------------------------------------------------------- 4. exact gaps
 
 
-def _pair(family: Family | None, cand: Candidates, alpha: Tensor, lam: Tensor, low: Tensor,
-          s: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """k* of dual rows whose bracket is two sizes, low and low + 1, by the gap's series about
-    the last probe's scalar s (`gaps.dual_series_gap`, no map solved), where it holds and log G
-    is farther than `SERIES_TOLERANCE` from log lambda. Returns (k, log T_k [n, C], which rows
-    it decided: the others take two maps and the exact gap)."""
-    columns = min(cand.log_x.shape[-1], int(low.max()) + 2)
+def _series(family: Family | None, cand: Candidates, alpha: Tensor, lam: Tensor, low: Tensor,
+            high: Tensor, s: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """k* of dual rows whose bracket [low, high] is a few sizes, by the gaps' series about the
+    last probe's scalar s (`gaps.dual_series_gap`, no map solved), where it holds and every
+    log G in the bracket is farther than `SERIES_TOLERANCE` from log lambda. Returns (k, log T_k
+    [n, C], which rows it decided: the others take the maps and exact gaps)."""
+    count = int((high - low).max())
+    columns = min(cand.log_x.shape[-1], int(low.max()) + count + 1)
     rows = _Rows.of(cand, alpha, lam).cut(slice(None), columns)
     values, exact = _values(0, family, rows, s, None if state is None else state[:, :columns],
                             INNER_STEPS)
-    log_gap, log_q, holds = dual_series_gap(rows.log_p, values, rows.alpha - 1.0, low,
-                                            log_deficit(cand, torch.stack([low, low + 1], -1)))
-    far = (log_gap - rows.log_lam).abs() > SERIES_TOLERANCE * (1.0 + rows.log_lam.abs())
-    above = (log_gap > rows.log_lam).long()
-    k = low + above
-    log_q = log_q.gather(1, above.view(-1, 1, 1).expand(-1, 1, columns)).squeeze(1)
-    return k, normalized(log_q, support_mask(k, columns)), holds & exact & far & s.isfinite()
+    sizes = (low.unsqueeze(-1) + torch.arange(count + 1, device=low.device)).clamp_max(columns)
+    log_gap, holds, map_of = dual_series_gap(rows.log_p, values, rows.alpha - 1.0, sizes,
+                                             log_deficit(cand, sizes))
+    lam_col = rows.log_lam.unsqueeze(-1)
+    inside = sizes[:, :-1] < high.unsqueeze(-1)
+    far = ((log_gap - lam_col).abs() > SERIES_TOLERANCE * (1.0 + lam_col.abs())) & holds
+    above = ((log_gap > lam_col) & inside).sum(-1)  # (G is nonincreasing)
+    return low + above, normalized(map_of(above), support_mask(low + above, columns)), \
+        exact & (far | ~inside).all(-1) & s.isfinite()
 
 
 def _settle(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, lam: Tensor,
             low: Tensor, high: Tensor, generator: BregmanGenerator | None,
             s: Tensor | None, state: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """The smallest k in [low, high] with G(k) <= lambda (or high) by exact gaps: dual rows two
-    sizes apart by the series (`_pair`) first; every size at once where every row has the same
+    sizes apart by the series (`_series`) first; every size at once where every row has the same
     few left (at most `SETTLE`); else Algorithm 2's binary search, one gap per step. ``high``
     must be within the candidates. Returns (k, log T_k where a gap's maps held it ([n, W],
     -inf rows otherwise), which rows have it)."""
@@ -357,11 +351,12 @@ def _settle(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
     cache = torch.full((n, width), -math.inf, dtype=cand.log_x.dtype, device=low.device)
     cached = torch.zeros_like(low, dtype=torch.bool)
     log_lam = torch.log(lam)
-    if mode == "dual" and s is not None:  # (rows two sizes apart, the search's common end)
-        rows = ((high - low == 1) & (low >= SERIES_FROM)).nonzero().squeeze(-1)
+    if mode == "dual" and s is not None:  # (the search's common end: a few sizes left)
+        rows = ((high > low) & (high - low <= SETTLE) & (low >= SERIES_FROM)).nonzero().squeeze(-1)
         if rows.numel():
-            k, maps, decided = _pair(family, take(cand, rows), alpha[rows], lam[rows],
-                                     low[rows], s[rows], None if state is None else state[rows])
+            k, maps, decided = _series(family, take(cand, rows), alpha[rows], lam[rows],
+                                       low[rows], high[rows], s[rows],
+                                       None if state is None else state[rows])
             rows, k, maps = rows[decided], k[decided], maps[decided]
             low[rows], high[rows], cached[rows] = k, k, True
             cache[rows, : maps.shape[-1]] = maps

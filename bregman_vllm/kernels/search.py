@@ -27,9 +27,9 @@ Differences from the torch path, none of which changes what is certified: one ro
 map's dual inner roots are solved by the nested Newton of Algorithm 1 (the torch path's
 `dual._nested`, its fallback; its first choice is a joint Newton over (s, z)); the exact gaps
 of the last `SETTLE` sizes are taken in increasing size, one at a time, stopping at the first
-that is at most lambda (the gaps are nonincreasing); dual rows two sizes apart take the maps'
-gap here, where the torch path first tries the gap's series about the last probe
-(`search._pair`: it holds for k* in the thousands, past any candidate set here).
+that is at most lambda (the gaps are nonincreasing); the dual's last sizes take the maps' gaps
+here, where the torch path first tries the gaps' series about the last probe
+(`search._series`: it holds for k* in the thousands, past any candidate set here).
 
 Float64 throughout (`formulas`' exp64 / log64: libdevice on a GPU, numpy under the
 interpreter).
