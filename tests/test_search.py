@@ -20,11 +20,11 @@ from bregman_vllm import bregman_decode, bregman_decode_logits
 from bregman_vllm.core import dual, families, roots
 from bregman_vllm.core import step as torch_step
 from bregman_vllm.core.candidates import candidates
-from bregman_vllm.core.gaps import dual_series_gap, log_entry_term
+from bregman_vllm.core.gaps import log_entry_term, series_gap
 from bregman_vllm.core.generators import AlphaGenerator
 from bregman_vllm.core.maps import log_deficit, solved
 from bregman_vllm.core.plan import exact_plan
-from bregman_vllm.core.primal import normalized, support_mask
+from bregman_vllm.core.primal import normalized, primal_values, support_mask
 from bregman_vllm.diagnostics import DispatchCounter
 
 from . import reference as ref
@@ -108,38 +108,43 @@ def test_the_dual_map_matches_the_reference_from_every_start(alpha, monkeypatch)
     close(dual.dual_multiplier(log_p, mask, a, log_r, k))
 
 
-@pytest.mark.parametrize("alpha", [1.2, 1.5, 2.5, 3.0, 10.0, 20.0])
-def test_the_dual_gap_by_its_series_matches_the_references(alpha):
-    """`gaps.dual_series_gap`, what the search decides its last few sizes with (`search._series`):
-    log G* of sizes m and m + 1 and the maps T*_m to T*_(m+2) from the values at one multiplier
-    near theirs (no map solved), against the reference's gaps and maps, at sizes 300 to 8000
-    of realistic and flat rows of 8192 entries (the quadratic duals 3/2 and 3 by their
-    formulas): log G* within 1e-9 (`search.SERIES_TOLERANCE` is 1e-8) and q within 1e-9
-    wherever the expansion says it holds, which it does on flat rows at every size in the
-    thousands."""
-    closed = families.family_of("dual", alpha, False)
+@pytest.mark.parametrize(("mode", "alpha"), [("dual", 1.2), ("dual", 1.5), ("dual", 2.5),
+                                             ("dual", 3.0), ("dual", 10.0), ("dual", 20.0),
+                                             ("primal", 1.5), ("primal", 3.0),
+                                             ("primal", 7.5), ("primal", 20.0)])
+def test_the_gaps_by_their_series_match_the_references(mode, alpha):
+    """`gaps.series_gap`, what the search decides its last few sizes with (`search._series`):
+    log G of sizes m and m + 1 and the maps T_m to T_(m+2) from the values at one scalar near
+    theirs (no map solved), against the reference's gaps and maps, at sizes 300 to 8000 of
+    realistic and flat rows of 8192 entries (the quadratic duals 3/2 and 3 by their formulas):
+    log G within 1e-9 (`search.SERIES_TOLERANCE` is 1e-8) and q within 1e-9 wherever the
+    expansion says it holds, which it does on flat rows at every size in the thousands."""
+    closed = families.family_of(mode, alpha, False)
     closed = closed if closed in families.QUADRATIC_DUAL_FAMILIES else None
     a = torch.full((4,), alpha, dtype=F64)
+    beta = a.unsqueeze(-1) - 1.0
     held = 0
     for kind in ("realistic", "flat"):
         p = torch.softmax(_rows(kind, 4, 8192, 5).double(), -1).sort(-1, descending=True).values
         log_p, tail = torch.log(p), p.flip(-1).cumsum(-1).flip(-1)
+        finite = torch.isfinite(log_p)
+        lp = torch.where(finite, log_p, 0.0)
         for size in (300, 2000, 8000):
             m = torch.full((4,), size)
             log_r = torch.log(tail[:, size: size + 3])  # R_m, R_(m+1), R_(m+2)
-            ends = [solved(closed, "dual", log_p, m + j, a, log_r[:, j]) for j in (0, 1)]
+            ends = [solved(closed, mode, log_p, m + j, a, log_r[:, j]) for j in (0, 1)]
             for share in (0.0, 0.5, 1.0, -2.0):  # (where s lies between the two scalars)
                 s = ends[1].s + share * (ends[0].s - ends[1].s)
-                finite = torch.isfinite(log_p)
-                values, exact = dual.dual_values(torch.where(finite, log_p, 0.0), finite,
-                                                 a.unsqueeze(-1) - 1.0, s, ends[1].state,
-                                                 closed, dual.INNER_STEPS)
-                log_gap, holds, map_of = dual_series_gap(
-                    log_p, values, a.unsqueeze(-1) - 1.0, m.unsqueeze(-1) + torch.arange(3),
-                    log_r)
+                if mode == "dual":
+                    values, exact = dual.dual_values(lp, finite, beta, s, ends[1].state, closed,
+                                                     dual.INNER_STEPS)
+                    assert bool(exact.all())
+                else:
+                    values = primal_values(lp, finite, beta, s, True)
+                log_gap, holds, map_of = series_gap(
+                    mode, log_p, values, beta, m.unsqueeze(-1) + torch.arange(3), log_r)
                 pair, holds = holds[:, 0], holds.all(-1)
-                assert bool(exact.all())
-                want = np.stack([rs.log_gap(log_p.numpy(), (m + j).numpy(), alpha, "dual")
+                want = np.stack([rs.log_gap(log_p.numpy(), (m + j).numpy(), alpha, mode)
                                  for j in (0, 1)], -1)
                 rows = holds.nonzero().squeeze(-1)
                 held += rows.numel()
@@ -149,10 +154,9 @@ def test_the_dual_gap_by_its_series_matches_the_references(alpha):
                                            rtol=0, atol=1e-9)
                 for j in (0, 1, 2):
                     maps = rs.renormalize_sorted(log_p.numpy(), (m + j).numpy(),
-                                                 log_r[:, j].numpy(), alpha, "dual")
+                                                 log_r[:, j].numpy(), alpha, mode)
                     got = normalized(map_of(torch.full((4,), j)), support_mask(m + j, 8192))
-                    got = got.exp().numpy()
-                    np.testing.assert_allclose(got[rows.numpy()],
+                    np.testing.assert_allclose(got.exp().numpy()[rows.numpy()],
                                                np.exp(maps)[rows.numpy()], rtol=1e-9,
                                                atol=1e-300)
     assert held >= 4, held

@@ -218,8 +218,8 @@ def consecutive_gaps(family: Family | None, mode: str, cand: Candidates, start: 
     return value, maps
 
 
-#: Largest |s_j - s| (s = log nu) for which `dual_series_gap` expands the maps of sizes j about
-#: the values at s (it omits terms of order 4 in s_j - s).
+#: Largest |s_j - s| (dual s = log nu; primal beta |s_j - s| for beta > 1, s = tau) for which
+#: `series_gap` expands the maps of sizes j about the values at s (it omits terms of order 4).
 SERIES_REACH = 1e-2
 
 
@@ -228,30 +228,33 @@ def _cubic(c: Tensor, x: Tensor) -> Tensor:
     return x * (c[0] + x * (c[1] / 2.0 + x * c[2] / 6.0))
 
 
-def dual_series_gap(log_p: Tensor, found: Multiplier, beta: Tensor, sizes: Tensor,
-                    log_r: Tensor) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
-    """log G*(j), j = m .. m + c - 1, from the values at one multiplier s near those of the
-    maps T*_j, j = m .. m + c (``sizes``, [n, c + 1], within the columns of ``found``;
-    ``log_r``: their log R_j; ``beta``: [n, 1]), no map solved. With M_j(s) = sum_(i<=j)
-    q_i(s) and D_j the dual function of size j (D_j' = 1 - M_j in nu, D_j - D_(j+1) =
-    w(p_(j+1), .)), Theorem 3.3's gap is
+def series_gap(mode: str, log_p: Tensor, found: Multiplier, beta: Tensor, sizes: Tensor,
+               log_r: Tensor) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
+    """log G(j), j = m .. m + c - 1, from the values at one scalar s (dual: log nu; primal,
+    beta > 0: the level tau, nu = e^(beta tau) / beta) near those of the maps T_j, j = m .. m +
+    c (``sizes`` [n, c + 1]; ``log_r``: their log R_j; ``beta``: [n, 1]), no map solved. With
+    M_j = sum_(i<=j) q_i and D_j the dual function of size j (D_j' = 1 - M_j in nu, D_j -
+    D_(j+1) = w(p_(j+1), .)), Theorem 3.3's gap is
+        G(j) = w(p_(j+1), nu_(j+1)) + integral from nu_(j+1) to nu_j of (1 - M_j) dnu.
 
-        G*(j) = w(p_(j+1), nu_(j+1)) + integral from s_(j+1) to s_j of (1 - M_j(s)) e^s ds.
-
-    Each log q_i is a cubic in s about s: with y = log(q / p), e = expm1(y), g = 1 / (beta e
-    + 1), its derivatives are L1 = e g, L2 = L1 (e + 1) g^2, L3 = L1 (e + 1) g (g^3 + (2 - 2
-    beta) L1 g^2 - beta L1^2 g) (zero entries: 1 / beta, 0, 0); so is the added mass, whose
-    cubics give each s_j (= R_j), and the integral term by term. Returns (log G* [n, c], which
-    gaps the expansion holds for [n, c]: |s_j - s| and |s_(j+1) - s| <= `SERIES_REACH`, and
-    the map of the j-th size per row (j: [n] in 0 .. c; log T*_j on every column, not
-    normalized))."""
+    Each log q_i is a cubic in s about s (dual: L1 = e g, L2 = L1 (e + 1) g^2, L3 = L1 (e + 1)
+    g (g^3 + (2 - 2 beta) L1 g^2 - beta L1^2 g), e = expm1(log(q / p)), g = 1 / (beta e + 1),
+    zero entries 1 / beta, 0, 0; primal: the rate r, beta r (1 - r), beta (1 - 2 r) L2), so are
+    the added mass (its cubics give each s_j) and the integral (dnu = e^(b s) ds, b = 1 or
+    beta). Returns (log G [n, c], where it holds [n, c], the map of size j (j: [n], 0 .. c))."""
     finite = torch.isfinite(log_p)
     e = torch.expm1(torch.where(finite, found.lift, 0.0))
-    g = torch.reciprocal(beta * e + 1.0)
-    one, lifted = e * g, e * g * (e + 1.0) * g
-    two, three = lifted * g, lifted * (g ** 3 + (2.0 - 2.0 * beta) * one * g * g
-                                       - beta * one * one * g)
-    one = torch.where(finite, one, torch.reciprocal(beta).expand_as(one))  # (two, three: 0)
+    if mode == "dual":
+        g = torch.reciprocal(beta * e + 1.0)
+        one, lifted = e * g, e * g * (e + 1.0) * g
+        two, three = lifted * g, lifted * (g ** 3 + (2.0 - 2.0 * beta) * one * g * g
+                                           - beta * one * one * g)
+        one = torch.where(finite, one, torch.reciprocal(beta).expand_as(one))  # (two, three: 0)
+        rate, unit = torch.ones_like(beta), torch.ones_like(beta)
+    else:
+        one = found.rate
+        two = beta * one * (1.0 - one)
+        three, rate, unit = beta * (1.0 - 2.0 * one) * two, beta, beta.clamp_min(1.0)
     # What each entry adds to the mass and its derivatives, summed up to each size.
     q = torch.exp(found.log_q)
     terms = torch.stack([torch.where(finite, torch.exp(log_p) * e, q), q * one,
@@ -265,17 +268,18 @@ def dual_series_gap(log_p: Tensor, found: Multiplier, beta: Tensor, sizes: Tenso
     derivatives = torch.stack([one, two, three])
     at = sizes[:, :-1].clamp_max(log_p.shape[-1] - 1)  # (entry j + 1 of the map of size j + 1)
     entry = derivatives.gather(2, at.unsqueeze(0).expand(3, -1, -1))
-    last = log_entry_term("dual", log_p.gather(1, at),
+    last = log_entry_term(mode, log_p.gather(1, at),
                           found.log_q.gather(1, at) + _cubic(entry, shift[:, 1:]), beta + 1.0)
     # 1 - M_j(s_j - v) = A1 v - A2 v^2 / 2 + A3 v^3 / 6 (the mass's derivatives at s_j) against
-    # e^(s_j - v) for v from 0 to s_j - s_(j+1): moments int v^n e^-v by their series.
+    # dnu = e^(b (s_j - v)) dv for v from 0 to s_j - s_(j+1): moments int v^n e^(-b v) dv by
+    # their series (b v <= 2 `SERIES_REACH`).
     low, width = shift[:, :-1], (shift[:, :-1] - shift[:, 1:]).clamp_min(0.0)
     a1, a2, a3 = sums[1:, :, :-1]
-    moments = [width ** (n + 1) * sum((-width) ** t / (math.factorial(t) * (n + t + 1))
+    moments = [width ** (n + 1) * sum((-rate * width) ** t / (math.factorial(t) * (n + t + 1))
                                      for t in range(8)) for n in (1, 2, 3)]
     integral = ((a1 + low * (a2 + low * a3 / 2.0)) * moments[0]
                 - (a2 + low * a3) * moments[1] / 2.0 + a3 * moments[2] / 6.0)
-    log_gap = torch.logaddexp(last, found.s.unsqueeze(-1) + low + torch.log(integral))
-    near = shift.abs() <= SERIES_REACH
+    log_gap = torch.logaddexp(last, rate * (found.s.unsqueeze(-1) + low) + torch.log(integral))
+    near = (unit * shift).abs() <= SERIES_REACH
     return log_gap, near[:, :-1] & near[:, 1:] & (integral > 0), \
         lambda j: found.log_q + _cubic(derivatives, shift.gather(1, j.unsqueeze(-1)))

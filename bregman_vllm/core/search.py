@@ -28,13 +28,13 @@ Pipeline of one round (`support_sizes`), vectorized over rows (loops run over pr
    D(s) = log w_(m+1)(s) - log lambda, m = n + 1 the size whose scalar s is, inside the bracket
    of s that the signs of D keep; its slope counts how m moves with s. A few probes bring the
    bracket of k* down to one or two sizes, none needing a map.
-3. The last sizes by exact gaps (`_settle`). Dual rows two sizes apart (the common end) by
-   the gap's series about the last probe's s (`_series`, `gaps.dual_series_gap`: no map
-   solved); the others from the maps T_m and T_(m+1) (`maps.solved`, warm-started at the last
-   probe's scalar), all at once where at most `SETTLE` sizes are left, else by Algorithm 2's
-   binary search. User generators (no multiplier) take this binary search from the start, on
-   their generic maps. The families with closed-form gaps (`families.CLOSED_GAP_FAMILIES`)
-   read every gap of a round at once (`window.closed_sizes`).
+3. The last sizes by exact gaps (`_settle`): where a few are left, by the gaps' series about
+   the last probe's s (`_series`, `gaps.series_gap`: no map solved); the others from the maps
+   T_m and T_(m+1) (`maps.solved`, warm-started at the last probe's scalar), all at once where
+   at most `SETTLE` sizes are left, else by Algorithm 2's binary search. User generators (no
+   multiplier) take this binary search from the start, on their generic maps. The families
+   with closed-form gaps (`families.CLOSED_GAP_FAMILIES`) read every gap of a round at once
+   (`window.closed_sizes`).
 4. log T_k* kept from the last exact gap where it has it (else `step` solves it, `maps`).
 """
 
@@ -48,11 +48,7 @@ import torch
 from .candidates import UNBOUNDED, Candidates, take
 from .dual import INNER_STEPS, dual_range, dual_values
 from .families import CLOSED_GAP_FAMILIES, QUADRATIC_DUAL_FAMILIES, Family
-from .gaps import (
-    consecutive_gaps,
-    dual_series_gap,
-    log_entry_term,
-)
+from .gaps import consecutive_gaps, log_entry_term, series_gap
 from .generators import BregmanGenerator
 from .maps import log_deficit
 from .plan import ExactPlan
@@ -210,9 +206,8 @@ def _warm(kind: int, values: Multiplier, old: Tensor, new: Tensor) -> Tensor | N
 
 
 class _Walk(NamedTuple):
-    """The probes' state per row still searching: its index among the search's rows, the
-    scalar s, the bracket of s (D < 0 below it, D > 0 above) with D there (NaN: not probed),
-    the side of the last probe, the probes in a row that did not narrow the bracket of k*."""
+    """The probes' state per row still searching: its index, s, the bracket of s (D < 0 below,
+    D > 0 above) with D there (NaN: not probed), the last probe's side, stale probes in a row."""
 
     index: Tensor
     s: Tensor
@@ -316,20 +311,21 @@ def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tenso
 # ----------------------------------------------------------------------------- 4. exact gaps
 
 
-def _series(family: Family | None, cand: Candidates, alpha: Tensor, lam: Tensor, low: Tensor,
-            high: Tensor, s: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """k* of dual rows whose bracket [low, high] is a few sizes, by the gaps' series about the
-    last probe's scalar s (`gaps.dual_series_gap`, no map solved), where it holds and every
-    log G in the bracket is farther than `SERIES_TOLERANCE` from log lambda. Returns (k, log T_k
-    [n, C], which rows it decided: the others take the maps and exact gaps)."""
+def _series(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, lam: Tensor,
+            low: Tensor, high: Tensor, s: Tensor, state: Tensor | None
+            ) -> tuple[Tensor, Tensor, Tensor]:
+    """k* of rows whose bracket [low, high] is a few sizes (dual, or primal alpha > 1) by the
+    gaps' series about the last probe's s (`gaps.series_gap`; the values there exact within
+    `PROBE_STEPS` inner steps), where it holds and every log G in the bracket is farther than
+    `SERIES_TOLERANCE` from log lambda. Returns (k, log T_k [n, C], which rows it decided)."""
     count = int((high - low).max())
     columns = min(cand.log_x.shape[-1], int(low.max()) + count + 1)
     rows = _Rows.of(cand, alpha, lam).cut(slice(None), columns)
-    values, exact = _values(0, family, rows, s, None if state is None else state[:, :columns],
-                            INNER_STEPS)
+    values, exact = _values(int(mode == "primal"), family, rows, s,
+                            None if state is None else state[:, :columns], PROBE_STEPS)
     sizes = (low.unsqueeze(-1) + torch.arange(count + 1, device=low.device)).clamp_max(columns)
-    log_gap, holds, map_of = dual_series_gap(rows.log_p, values, rows.alpha - 1.0, sizes,
-                                             log_deficit(cand, sizes))
+    log_gap, holds, map_of = series_gap(mode, rows.log_p, values, rows.alpha - 1.0, sizes,
+                                        log_deficit(cand, sizes))
     lam_col = rows.log_lam.unsqueeze(-1)
     inside = sizes[:, :-1] < high.unsqueeze(-1)
     far = ((log_gap - lam_col).abs() > SERIES_TOLERANCE * (1.0 + lam_col.abs())) & holds
@@ -341,8 +337,8 @@ def _series(family: Family | None, cand: Candidates, alpha: Tensor, lam: Tensor,
 def _settle(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, lam: Tensor,
             low: Tensor, high: Tensor, generator: BregmanGenerator | None,
             s: Tensor | None, state: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """The smallest k in [low, high] with G(k) <= lambda (or high) by exact gaps: dual rows two
-    sizes apart by the series (`_series`) first; every size at once where every row has the same
+    """The smallest k in [low, high] with G(k) <= lambda (or high) by exact gaps: rows with a
+    few sizes left by the series (`_series`) first; every size at once where every row has the same
     few left (at most `SETTLE`); else Algorithm 2's binary search, one gap per step. ``high``
     must be within the candidates. Returns (k, log T_k where a gap's maps held it ([n, W],
     -inf rows otherwise), which rows have it)."""
@@ -351,10 +347,11 @@ def _settle(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
     cache = torch.full((n, width), -math.inf, dtype=cand.log_x.dtype, device=low.device)
     cached = torch.zeros_like(low, dtype=torch.bool)
     log_lam = torch.log(lam)
-    if mode == "dual" and s is not None:  # (the search's common end: a few sizes left)
-        rows = ((high > low) & (high - low <= SETTLE) & (low >= SERIES_FROM)).nonzero().squeeze(-1)
+    if s is not None:  # (the search's common end: a few sizes left)
+        rows = ((high > low) & (high - low <= SETTLE) & (low >= SERIES_FROM)
+                & ((alpha > 1.0) | (mode == "dual"))).nonzero().squeeze(-1)
         if rows.numel():
-            k, maps, decided = _series(family, take(cand, rows), alpha[rows], lam[rows],
+            k, maps, decided = _series(family, mode, take(cand, rows), alpha[rows], lam[rows],
                                        low[rows], high[rows], s[rows],
                                        None if state is None else state[rows])
             rows, k, maps = rows[decided], k[decided], maps[decided]
