@@ -218,13 +218,11 @@ def consecutive_gaps(family: Family | None, mode: str, cand: Candidates, start: 
     return value, maps
 
 
-#: Largest |s_j - s| (dual s = log nu; primal beta |s_j - s| for beta > 1, s = tau) for which
-#: `series_gap` expands the maps of sizes j about the values at s (it omits terms of order 4).
+#: Largest |s_j - s| (primal, beta > 1: beta |s_j - s|) over which `series_gap` expands a map.
 SERIES_REACH = 1e-2
 
 
-def _cubic(c: Tensor, x: Tensor) -> Tensor:
-    """c[0] x + c[1] x^2 / 2 + c[2] x^3 / 6."""
+def _cubic(c: Tensor, x: Tensor) -> Tensor:  # c[0] x + c[1] x^2 / 2 + c[2] x^3 / 6
     return x * (c[0] + x * (c[1] / 2.0 + x * c[2] / 6.0))
 
 

@@ -63,10 +63,10 @@ Tensor = torch.Tensor
 PROBES = 40
 STEER_STEPS, PROBE_STEPS = 1, 2
 #: |D| at which the probes' Newton steps aim, on alternating sides of the root (`_probe`), and
-#: below which the dual's probes solve their inner equations (above it they only steer).
+#: below which the dual's probes solve their inner equations (above it, for at most `STEERING`
+#: probes, they only steer).
 STRADDLE = 1e-6
 STEER = 0.1
-#: Probes that only steer, at most.
 STEERING = 3
 #: Sizes the exact gaps decide at once (`_settle`); a wider bracket is halved first.
 SETTLE = 4
@@ -85,8 +85,8 @@ TERM_ROUNDING = 1e-12
 
 
 class _Rows(NamedTuple):
-    """The search's view of its rows' candidates: log p (-inf for zero entries), log p with 0
-    there, which are positive, p, R_k, alpha as a column, log lambda."""
+    """The search's view of its candidates: log p (-inf for zeros), log p with 0 there, which
+    are positive, p, R_k, alpha as a column, log lambda."""
 
     log_p: Tensor
     lp: Tensor
@@ -133,9 +133,8 @@ def _ends(kind: int, rows: _Rows, size: Tensor) -> tuple[Tensor, Tensor, Tensor]
 
 
 class _Probe(NamedTuple):
-    """What one probe at s certifies and where it points: the bracket of k* (none where its
-    values are not exact yet), the size m whose scalar s is (capped to the candidates), D(s)
-    and the Newton step on it."""
+    """What one probe at s certifies and where it points: the bracket of k* (none where not
+    exact), the size m whose scalar s is (capped), D(s) and the Newton step on it."""
 
     low: Tensor
     high: Tensor
@@ -275,9 +274,12 @@ def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tenso
         fallback = torch.where(found.exact, s_low + share * (s_high - s_low), s)
         walk = _Walk(i, torch.where(inside, proposal, fallback), s_low, s_high, d_low, d_high,
                      above, stale)
-        # (an exact probe at the end of the whole candidates, with the bracket past them: D
-        # is not known there, and the probes cannot settle a k* past the candidates)
+        # (an exact probe at the end of the whole candidates with the bracket past them, or
+        # whose Newton step points below every candidate size's scalar: a wider round's row)
         past = found.exact & (hi > width) & (found.size >= width - 1) & (columns == full)
+        if not steering:
+            past |= found.exact & (found.residual > 0) & (proposal < s_low) & d_low.isnan() \
+                & (hi > width)
         wider[i] = past
         go = (hi - lo > 1) & (narrowed | ((hi - lo > SETTLE) & (stale < 3))) & ~past \
             & (s_high - s_low > 1e-14 * (1.0 + s.abs())) & ((hi <= width) | (lo < width - 1))
