@@ -553,14 +553,15 @@ def test_failures_reach_the_prometheus_counter(monkeypatch):
 
 #: Launched ops and host syncs of the search's worst cases at [4, 8192] (one call, eager), at
 #: most: the GPU's launches and syncs counted on the CPU, a regression guard. Measured
-#: 2026-11-28 (launches, syncs): the attack 4252, 119; dual a=20 5046, 131; primal a=3 2512, 68
-#: (`core.search`: probes on the multiplier, the dual's first ones steering on shaped roots).
+#: 2026-11-28 (launches, syncs): the attack 4678, 143; dual a=20 5205, 153; primal a=3 2644, 65
+#: (`core.search`: probes on the multiplier, the dual's first ones steering with one inner
+#: Newton step, each step one read; the last sizes by their series from 4096 sizes on).
 EXACT_PATH_COUNTS = {
     "attack: realistic dual a=10 lam=1e-100": ((3.0, 7.0), dict(alpha=10.0, lam=1e-100,
-                                                                mode="dual"), 4700, 130),
+                                                                mode="dual"), 5150, 160),
     "realistic dual a=20 lam=1e-240": ((3.0, 7.0), dict(alpha=20.0, lam=1e-240, mode="dual"),
-                                       5550, 145),
-    "flat primal a=3 lam=1e-12": ((0.3, 0.3), dict(alpha=3.0, lam=1e-12), 2800, 75),
+                                       5750, 170),
+    "flat primal a=3 lam=1e-12": ((0.3, 0.3), dict(alpha=3.0, lam=1e-12), 2900, 75),
 }
 
 
