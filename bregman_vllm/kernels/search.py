@@ -264,10 +264,10 @@ def log_entry_term(dual, log_p, log_q, alpha):
         b = alpha - 1.0
         positive = log_p > float("-inf")
         lp = tl.where(positive, log_p, 0.0)
-        moved = lp + log64(expm1_64(tl.maximum(log_q - lp, 0.0)))
-        log_b2 = 2.0 * log64(b)
-        inner = tl.where(positive, logaddexp64(log_b2 + moved, lp), log_b2 + log_q)
-        out = b * log_q + inner - log64(alpha * b)
+        # beta^2 (q - p) + p = beta^2 p (expm1(log(q / p)) + 1 / beta^2): positive terms.
+        rise = expm1_64(tl.maximum(log_q - lp, 0.0))
+        inner = tl.where(positive, lp + log64(rise + 1.0 / (b * b)), log_q)
+        out = b * log_q + inner + log64(b / alpha)
     else:
         out = alpha * log_q - log64(alpha)
     return out
@@ -504,7 +504,7 @@ def outer_bracket(lp, finite, mask, beta, log_r, k, top):
     high = tl.where(below_two, log_r - log_power_sum, log_ratio)
     low, high = tl.minimum(low, high), tl.maximum(low, high)
     high = tl.minimum(high, log1p64(-exp64(top)))
-    low = tl.minimum(low, high)
+    low = tl.where(k == 1, high, tl.minimum(low, high))  # (size 1: q_1 = 1, given)
     shifted = logaddexp64(lp, log_ratio)
     start = log_r - logsumexp64((1.0 - beta) * shifted, mask)
     return low, high, tl.where((start > low) & (start < high), start, high)
@@ -688,7 +688,7 @@ def level_map(lp, finite, beta, log_r, k, start, positions, C: tl.constexpr):
     first = tl.minimum(first, high)
     water = water_level(tl.where(fin, exp64(lp), 0.0), log_r, k.to(tl.float64), positions, C)
     first = tl.minimum(first, log64(water))
-    low = tl.minimum(low, first)
+    low = tl.where(k == 1, high, tl.minimum(low, first))  # (size 1: q_1 = 1, given)
     tau = tl.where((start > low) & (start < high), start, first)
     closed = high <= low
     previous = tl.full((), float("inf"), tl.float64)
@@ -718,7 +718,7 @@ def top_map(log_p, lp, finite, beta, log_r, k, start, positions):
     log_s = tl.where(deficit < 0.5, log1p64(-tl.minimum(deficit, 0.5)),
                      logsumexp64(lp, fin))
     high = tl.maximum(-top, 0.0)
-    low = high * 0.0
+    low = tl.where(k == 1, high, 0.0)  # (size 1: q_1 = 1, given)
     first = tl.minimum(tl.maximum(-log_s, 0.0), high)
     delta = tl.where((start > low) & (start < high), start, first)
     closed = high <= low
