@@ -316,7 +316,8 @@ def test_a_row_whose_probes_point_past_a_rounds_candidates_goes_on_in_a_wider_on
 
 def test_a_round_is_no_wider_than_its_rows_sizes_need(monkeypatch):
     """Rows held to k_max = 1024 (a server's default bound) take one round of 1024 candidates
-    after the window's, not a wider one; rows without a bound grow to the whole row."""
+    after the first, neither a wider one nor one between (512 would only delay them: each round
+    is a top-k over the rows); rows without a bound grow by 8 to the whole row."""
     widths: list[int] = []
 
     def recorded(scores, width, **kwargs):
@@ -327,10 +328,10 @@ def test_a_round_is_no_wider_than_its_rows_sizes_need(monkeypatch):
     logits = _rows("flat", 2, 49152, 5)
     _, k = bregman_decode_logits(logits, alpha=2.5, lam=1e-12, mode="dual", k_max=1024,
                                  return_k=True)
-    assert k.tolist() == [1024, 1024] and max(widths) == 1024, widths
+    assert k.tolist() == [1024, 1024] and widths == [64, 1024], widths
     widths.clear()
     bregman_decode_logits(logits, alpha=2.5, lam=1e-12, mode="dual")
-    assert max(widths) == 49152, widths
+    assert widths == [64, 512, 4096, 49152], widths
 
 
 def test_rows_handed_over_with_a_lower_bound_start_past_it():

@@ -364,7 +364,7 @@ def _rows_of(value, piece: slice):
 
 
 #: Width of the exact path's first candidate round; a row whose k* passes it gets `GROWTH`
-#: times more.
+#: times more (at most what the rows need: their k_max or fixed k, else the row).
 INITIAL_CANDIDATES = 64
 GROWTH = 8
 #: A round wider than 1 / `FULL_SORT_FRACTION` of the row takes the whole row (a top-k that
@@ -488,10 +488,10 @@ def decode_exact(out: Tensor, k_out: Tensor, scores: Tensor, plan: ExactPlan, *,
                                                    width, bounds, sink, scale)])
         pending = torch.sort(later).values
         grown = width * GROWTH
-        if grown * FULL_SORT_FRACTION >= vocab:
-            grown = vocab
-        # No wider than the rows' sizes need, and wider than this round.
-        width = min(vocab, max(min(grown, widest), width + 1))
+        grown = vocab if grown * FULL_SORT_FRACTION >= vocab else grown
+        # No wider than the rows' sizes need (at once where the round after would be the
+        # widest: a round between only delays them), and wider than this round.
+        width = min(vocab, max(widest if grown * 2 >= widest else grown, width + 1))
 
 
 def _exact(p: _Pass, out: Tensor | None, logits: bool, any_flagged: bool) -> None:
