@@ -24,7 +24,7 @@ from bregman_vllm.core.gaps import log_entry_term, series_gap
 from bregman_vllm.core.generators import AlphaGenerator
 from bregman_vllm.core.maps import log_deficit, solved
 from bregman_vllm.core.plan import exact_plan
-from bregman_vllm.core.primal import normalized, primal_values, support_mask
+from bregman_vllm.core.primal import normalized, primal_values, support_mask, top_values
 from bregman_vllm.diagnostics import DispatchCounter
 
 from . import reference as ref
@@ -110,7 +110,8 @@ def test_the_dual_map_matches_the_reference_from_every_start(alpha, monkeypatch)
 
 @pytest.mark.parametrize(("mode", "alpha"), [("dual", 1.2), ("dual", 1.5), ("dual", 2.5),
                                              ("dual", 3.0), ("dual", 10.0), ("dual", 20.0),
-                                             ("primal", 1.5), ("primal", 3.0),
+                                             ("primal", 0.3), ("primal", 0.7),
+                                             ("primal", 1.05), ("primal", 1.5), ("primal", 3.0),
                                              ("primal", 7.5), ("primal", 20.0)])
 def test_the_gaps_by_their_series_match_the_references(mode, alpha):
     """`gaps.series_gap`, what the search decides its last few sizes with (`search._series`):
@@ -139,8 +140,9 @@ def test_the_gaps_by_their_series_match_the_references(mode, alpha):
                     values, exact = dual.dual_values(lp, finite, beta, s, ends[1].state, closed,
                                                      dual.INNER_STEPS)
                     assert bool(exact.all())
-                else:
-                    values = primal_values(lp, finite, beta, s, True)
+                else:  # (the scalar as the maps' solvers take it: tau, or delta below 1)
+                    values = (primal_values(lp, finite, beta, s, True) if alpha > 1.0
+                              else top_values(lp, finite, beta, s))
                 log_gap, holds, map_of = series_gap(
                     mode, log_p, values, beta, m.unsqueeze(-1) + torch.arange(3), log_r)
                 pair, holds = holds[:, 0], holds.all(-1)

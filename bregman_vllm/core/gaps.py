@@ -218,7 +218,9 @@ def consecutive_gaps(family: Family | None, mode: str, cand: Candidates, start: 
     return value, maps
 
 
-#: Largest |s_j - s| (primal, beta > 1: beta |s_j - s|) over which `series_gap` expands a map.
+#: Largest |s_j - s| over which `series_gap` expands a map; primal: |beta| |s_j - s| above |beta| =
+#: 1, |beta|^(3/4) |s_j - s| below (each derivative of log q past the first carries a beta: the
+#: cubic's remainder is about (beta v)^3 v / 96).
 SERIES_REACH = 1e-2
 
 
@@ -229,8 +231,9 @@ def _cubic(c: Tensor, x: Tensor) -> Tensor:  # c[0] x + c[1] x^2 / 2 + c[2] x^3 
 def series_gap(mode: str, log_p: Tensor, found: Multiplier, beta: Tensor, sizes: Tensor,
                log_r: Tensor) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
     """log G(j), j = m .. m + c - 1, from the values at one scalar s (dual: log nu; primal,
-    beta > 0: the level tau, nu = e^(beta tau) / beta) near those of the maps T_j, j = m .. m +
-    c (``sizes`` [n, c + 1]; ``log_r``: their log R_j; ``beta``: [n, 1]), no map solved. With
+    beta > 0: the level tau, nu = e^(beta tau) / beta; beta < 0: delta, nu = p_1^beta
+    (e^(beta delta) - 1) / beta) near those of the maps T_j, j = m .. m + c (``sizes``
+    [n, c + 1]; ``log_r``: their log R_j; ``beta``: [n, 1]), no map solved. With
     M_j = sum_(i<=j) q_i and D_j the dual function of size j (D_j' = 1 - M_j in nu, D_j -
     D_(j+1) = w(p_(j+1), .)), Theorem 3.3's gap is
         G(j) = w(p_(j+1), nu_(j+1)) + integral from nu_(j+1) to nu_j of (1 - M_j) dnu.
@@ -239,7 +242,7 @@ def series_gap(mode: str, log_p: Tensor, found: Multiplier, beta: Tensor, sizes:
     g (g^3 + (2 - 2 beta) L1 g^2 - beta L1^2 g), e = expm1(log(q / p)), g = 1 / (beta e + 1),
     zero entries 1 / beta, 0, 0; primal: the rate r, beta r (1 - r), beta (1 - 2 r) L2), so are
     the added mass (its cubics give each s_j) and the integral (dnu = e^(b s) ds, b = 1 or
-    beta). Returns (log G [n, c], where it holds [n, c], the map of size j (j: [n], 0 .. c))."""
+    beta, times p_1^beta below beta = 0). Returns (log G [n, c], where it holds [n, c], the map of size j (j: [n], 0 .. c))."""
     finite = torch.isfinite(log_p)
     e = torch.expm1(torch.where(finite, found.lift, 0.0))
     if mode == "dual":
@@ -252,7 +255,8 @@ def series_gap(mode: str, log_p: Tensor, found: Multiplier, beta: Tensor, sizes:
     else:
         one = found.rate
         two = beta * one * (1.0 - one)
-        three, rate, unit = beta * (1.0 - 2.0 * one) * two, beta, beta.clamp_min(1.0)
+        three, rate, unit = beta * (1.0 - 2.0 * one) * two, beta, torch.maximum(
+            beta.abs(), beta.abs() ** 0.75)
     # What each entry adds to the mass and its derivatives, summed up to each size.
     q = torch.exp(found.log_q)
     terms = torch.stack([torch.where(finite, torch.exp(log_p) * e, q), q * one,
@@ -277,7 +281,9 @@ def series_gap(mode: str, log_p: Tensor, found: Multiplier, beta: Tensor, sizes:
                                      for t in range(8)) for n in (1, 2, 3)]
     integral = ((a1 + low * (a2 + low * a3 / 2.0)) * moments[0]
                 - (a2 + low * a3) * moments[1] / 2.0 + a3 * moments[2] / 6.0)
-    log_gap = torch.logaddexp(last, rate * (found.s.unsqueeze(-1) + low) + torch.log(integral))
+    origin = beta.clamp_max(0.0) * log_p[:, :1]  # (nu's factor p_1^beta below alpha = 1)
+    log_gap = torch.logaddexp(last, rate * (found.s.unsqueeze(-1) + low) + origin
+                              + torch.log(integral))
     near = (unit * shift).abs() <= SERIES_REACH
     return log_gap, near[:, :-1] & near[:, 1:] & (integral > 0), \
         lambda j: found.log_q + _cubic(derivatives, shift.gather(1, j.unsqueeze(-1)))

@@ -218,20 +218,10 @@ def _size(value, name: str) -> int:
 REQUEST_NAMES = ("bregman_alpha", "bregman_lambda", "bregman_top_k", "bregman_k_max")
 
 
-def make_plan(
-    mode: str,
-    alpha,
-    lam,
-    top_k=None,
-    k_max=None,
-    *,
-    batch_shape: tuple[int, ...] | int,
-    vocab: int,
-    device: torch.device | str,
-    generator: BregmanGenerator | None = None,
-    validate: bool = True,
-    names: tuple[str, str, str, str] = ("alpha", "lam", "top_k", "k_max"),
-) -> Plan:
+def make_plan(mode: str, alpha, lam, top_k=None, k_max=None, *,
+              batch_shape: tuple[int, ...] | int, vocab: int, device: torch.device | str,
+              generator: BregmanGenerator | None = None, validate: bool = True,
+              names: tuple[str, str, str, str] = ("alpha", "lam", "top_k", "k_max")) -> Plan:
     """Validate and group per-row parameters (each a number, a sequence or a tensor of one
     value per row; ``top_k`` / ``k_max`` None or 0 = not set). Host work only, apart from the
     device copies of per-row values (and a ``.tolist()`` when tensors are given)."""
@@ -435,12 +425,10 @@ def _group(family: Family, mode: str, fixed: bool, rows: Tensor | None, count: i
     host = {"alpha": alphas, "lam": lams, "size": sizes, "cap": caps, **extra}
     values = {name: _per_row(host[name], ROW_DTYPES[name], device, uniform)
               for name in ("alpha", "lam", "size", *ROW_FIELDS)}
-    return Group(
-        family=family, mode=mode, fixed=fixed, rows=rows, count=count, values=values,
-        capped=capped, width=width, bounded=bounded, flags=flags, iterations=iterations,
-        below_two=below, above_two=above, generator=generator, host=host,
-        host_rows=None if rows is None else host_rows,
-    )
+    return Group(family=family, mode=mode, fixed=fixed, rows=rows, count=count, values=values,
+                 capped=capped, width=width, bounded=bounded, flags=flags,
+                 iterations=iterations, below_two=below, above_two=above, generator=generator,
+                 host=host, host_rows=None if rows is None else host_rows)
 
 
 class ExactPlan(NamedTuple):

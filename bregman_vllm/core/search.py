@@ -52,7 +52,7 @@ from .gaps import consecutive_gaps, log_entry_term, series_gap
 from .generators import BregmanGenerator
 from .maps import log_deficit
 from .plan import ExactPlan
-from .primal import level_range, normalized, primal_values, support_mask, top_range
+from .primal import level_range, normalized, primal_values, support_mask, top_range, top_values
 from .roots import Multiplier
 from .window import closed_sizes, support_range
 
@@ -313,18 +313,21 @@ def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tenso
 # ----------------------------------------------------------------------------- 4. exact gaps
 
 
-def _series(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, lam: Tensor,
-            low: Tensor, high: Tensor, s: Tensor, state: Tensor | None
+def _series(kind: int, family: Family | None, mode: str, cand: Candidates, alpha: Tensor,
+            lam: Tensor, low: Tensor, high: Tensor, s: Tensor, state: Tensor | None
             ) -> tuple[Tensor, Tensor, Tensor]:
-    """k* of rows whose bracket [low, high] is a few sizes (dual, or primal alpha > 1) by the
-    gaps' series about the last probe's s (`gaps.series_gap`; the values there exact within
+    """k* of rows of one kind of scalar whose bracket [low, high] is a few sizes by the gaps'
+    series about the last probe's s (`gaps.series_gap`; the values there exact within
     `PROBE_STEPS` inner steps), where it holds and every log G in the bracket is farther than
     `SERIES_TOLERANCE` from log lambda. Returns (k, log T_k [n, C], which rows it decided)."""
     count = int((high - low).max())
     columns = min(cand.log_x.shape[-1], int(low.max()) + count + 1)
     rows = _Rows.of(cand, alpha, lam).cut(slice(None), columns)
-    values, exact = _values(int(mode == "primal"), family, rows, s,
-                            None if state is None else state[:, :columns], PROBE_STEPS)
+    if kind == 2:  # (in delta itself, as the maps' solvers take it)
+        values, exact = top_values(rows.lp, rows.finite, rows.alpha - 1.0, s), s.isfinite()
+    else:
+        values, exact = _values(kind, family, rows, s,
+                                None if state is None else state[:, :columns], PROBE_STEPS)
     sizes = (low.unsqueeze(-1) + torch.arange(count + 1, device=low.device)).clamp_max(columns)
     log_gap, holds, map_of = series_gap(mode, rows.log_p, values, rows.alpha - 1.0, sizes,
                                         log_deficit(cand, sizes))
@@ -349,12 +352,12 @@ def _settle(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
     cache = torch.full((n, width), -math.inf, dtype=cand.log_x.dtype, device=low.device)
     cached = torch.zeros_like(low, dtype=torch.bool)
     log_lam = torch.log(lam)
-    if s is not None:  # (the search's common end: a few sizes left)
-        rows = ((high > low) & (high - low <= SETTLE) & (low >= SERIES_FROM)
-                & ((alpha > 1.0) | (mode == "dual"))).nonzero().squeeze(-1)
+    few = (high > low) & (high - low <= SETTLE) & (low >= SERIES_FROM) & (s is not None)
+    for kind in (0,) if mode == "dual" else (1, 2):  # (the search's common end: a few left)
+        rows = (few & ((alpha > 1.0) == (kind < 2))).nonzero().squeeze(-1)
         if rows.numel():
-            k, maps, decided = _series(family, mode, take(cand, rows), alpha[rows], lam[rows],
-                                       low[rows], high[rows], s[rows],
+            k, maps, decided = _series(kind, family, mode, take(cand, rows), alpha[rows],
+                                       lam[rows], low[rows], high[rows], s[rows],
                                        None if state is None else state[rows])
             rows, k, maps = rows[decided], k[decided], maps[decided]
             low[rows], high[rows], cached[rows] = k, k, True
