@@ -336,7 +336,8 @@ def _row_kernel(x_ptr, log_x_ptr, deficit_ptr, alpha_ptr, kind_ptr, closed_ptr, 
 @pytest.mark.parametrize(("mode", "alpha", "lam"),
                          [("primal", 10.0, 1e-3), ("primal", 0.5, 1e-2), ("primal", 1.05, 1e-3),
                           ("dual", 4.0, 1e-3), ("dual", 10.0, 1e-3), ("dual", 1.2, 1e-3),
-                          ("dual", 1.5, 1e-4), ("dual", 3.0, 1e-5), ("primal", 3.0, 1e-6)])
+                          ("dual", 1.5, 1e-4), ("dual", 3.0, 1e-5), ("primal", 3.0, 1e-6),
+                          ("primal", 0.3, 0.3)])
 def test_one_rows_search_against_the_reference(mode, alpha, lam):
     """`search.search_row` on 256 candidates of [3, 4096] rows (flat and peaked): k* and log T_k*
     as the independent reference decodes the whole row (its own maps, Algorithm 2's binary

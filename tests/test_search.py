@@ -316,6 +316,25 @@ def test_a_row_whose_probes_point_past_a_rounds_candidates_goes_on_in_a_wider_on
     assert counter.launches <= 8000, counter.launches
 
 
+def test_a_probe_at_the_end_of_a_round_pointing_back_inside_settles_there(monkeypatch):
+    """Rows whose k* is inside a round (flat primal alpha 0.3 at lambda 0.251: k* 274 to 414)
+    whose first probe lands at the end of its 512 candidates with D < 0 there (the root at a
+    larger scalar, a smaller size): they settle in that round, as the reference's k*. They
+    once went on to rounds of 4096 and the whole row (4.9x the previous core's time)."""
+    widths: list[int] = []
+
+    def recorded(scores, width, **kwargs):
+        widths.append(width)
+        return candidates(scores, width, **kwargs)
+
+    monkeypatch.setattr(torch_step, "candidates", recorded)
+    logits = _rows("flat", 4, 49152, 0)[[0, 1, 3]]
+    _, k = bregman_decode_logits(logits, alpha=0.3, lam=0.251, return_k=True)
+    want = rs.decode_logits(logits.double().numpy(), 0.3, 0.251, "primal")
+    assert k.tolist() == want.k.tolist() and int(k.max()) < 512, (k, want.k)
+    assert widths == [64, 512], widths
+
+
 def test_a_round_is_no_wider_than_its_rows_sizes_need(monkeypatch):
     """Rows held to k_max = 1024 (a server's default bound) take one round of 1024 candidates
     after the first, neither a wider one nor one between (512 would only delay them: each round

@@ -242,7 +242,8 @@ def series_gap(mode: str, log_p: Tensor, found: Multiplier, beta: Tensor, sizes:
     g (g^3 + (2 - 2 beta) L1 g^2 - beta L1^2 g), e = expm1(log(q / p)), g = 1 / (beta e + 1),
     zero entries 1 / beta, 0, 0; primal: the rate r, beta r (1 - r), beta (1 - 2 r) L2), so are
     the added mass (its cubics give each s_j) and the integral (dnu = e^(b s) ds, b = 1 or
-    beta, times p_1^beta below beta = 0). Returns (log G [n, c], where it holds [n, c], the map of size j (j: [n], 0 .. c))."""
+    beta, times p_1^beta below beta = 0). Returns (log G [n, c], where it holds [n, c], the
+    map of size j (j: [n], 0 .. c))."""
     finite = torch.isfinite(log_p)
     e = torch.expm1(torch.where(finite, found.lift, 0.0))
     if mode == "dual":

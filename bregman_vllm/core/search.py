@@ -274,12 +274,11 @@ def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tenso
         fallback = torch.where(found.exact, s_low + share * (s_high - s_low), s)
         walk = _Walk(i, torch.where(inside, proposal, fallback), s_low, s_high, d_low, d_high,
                      above, stale)
-        # (an exact probe at the end of the whole candidates with the bracket past them, or
-        # whose Newton step points below every candidate size's scalar: a wider round's row)
-        past = found.exact & (hi > width) & (found.size >= width - 1) & (columns == full)
-        if not steering:
-            past |= found.exact & (found.residual > 0) & (proposal < s_low) & d_low.isnan() \
-                & (hi > width)
+        # (an exact probe whose D points past the candidates, the bracket past them too: at
+        # their end, or its Newton step below every candidate size's scalar: a wider round's)
+        past = found.exact & (found.residual > 0) & (hi > width) & (
+            ((found.size >= width - 1) & (columns == full))
+            | ((proposal < s_low) & d_low.isnan() & (not steering)))
         wider[i] = past
         go = (hi - lo > 1) & (narrowed | ((hi - lo > SETTLE) & (stale < 3))) & ~past \
             & (s_high - s_low > 1e-14 * (1.0 + s.abs())) & ((hi <= width) | (lo < width - 1))

@@ -646,10 +646,11 @@ def probes(dual, kind, closed, log_p, lp, finite, p, deficit, alpha, log_lam, lo
         fallback = tl.where(exact, s_low + share * (s_high - s_low), s)
         s_next = tl.where(inside, proposal, fallback)
         count += 1
-        # (D is not known past the candidates: the probes cannot settle a k* there; nor where
-        # an exact probe's Newton step points below every candidate size's scalar)
-        wider = exact & (hi > C) & (((m >= C - 1) & (columns == C)) | (
-            ~steering & (residual > 0) & (proposal < s_low) & (d_low != d_low)))
+        # (D is not known past the candidates: the probes cannot settle a k* there, where an
+        # exact probe's D points (at their end, or its Newton step below every candidate
+        # size's scalar))
+        wider = exact & (residual > 0) & (hi > C) & (((m >= C - 1) & (columns == C)) | (
+            ~steering & (proposal < s_low) & (d_low != d_low)))
         go = (hi - lo > 1) & (narrowed | ((hi - lo > SETTLE) & (stale < 3))) & ~wider & \
             (s_high - s_low > 1e-14 * (1.0 + tl.abs(s))) & ((hi <= C) | (lo < C - 1)) & \
             (count < PROBES)
