@@ -93,8 +93,7 @@ def _top(scores: Tensor, width: int, logits: bool, scale: Tensor | None
     empty = -math.inf if logits else 0.0
     if width >= vocab:  # the whole row: nothing left outside
         values, index = torch.sort(scores, dim=-1, descending=True)
-        return values, index, torch.full((n,), empty, dtype=torch.float64,
-                                         device=scores.device)
+        return values, index, torch.full((n,), empty, dtype=torch.float64, device=scores.device)
     if width * BLOCK * PLAIN_TOP_K_FRACTION.get(scores.device.type, 1) >= vocab:  # plain top-k
         values, index = torch.topk(scores, width, dim=-1)
         rest = _mass(scores.scatter(1, index, empty), logits, scale)

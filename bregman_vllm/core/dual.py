@@ -131,8 +131,7 @@ def _closed_lift(family: Family, lp: Tensor, finite: Tensor, s: Tensor) -> Tenso
     else:
         scale = root + p
         added = 2.0 * nu / torch.where(scale > 0, scale, 1.0)
-    return torch.where(finite, torch.log1p(added / torch.where(finite, p, 1.0)),
-                       torch.log(added))
+    return torch.where(finite, torch.log1p(added / torch.where(finite, p, 1.0)), torch.log(added))
 
 
 def _outer_bracket(lp: Tensor, finite: Tensor, mask: Tensor, beta: Tensor, log_deficit: Tensor,
@@ -298,8 +297,7 @@ def _joint_newton(lp: Tensor, finite: Tensor, mask: Tensor, beta: Tensor, log_de
         above = lowest - max(biggest, _LOG_100) if biggest <= 0.5 else None
         guarded = biggest > 1e-2
         if biggest > 0.1:  # (from there on a plain step in z is as good as one in u)
-            z_new = _inner_step(beta, lp, z, u, step, s_new.unsqueeze(-1) - scaled,
-                                biggest > 0.5)
+            z_new = _inner_step(beta, lp, z, u, step, s_new.unsqueeze(-1) - scaled, biggest > 0.5)
         else:
             z_new = z + step
         if stopping:
@@ -312,8 +310,7 @@ def _joint_newton(lp: Tensor, finite: Tensor, mask: Tensor, beta: Tensor, log_de
             keep = (~stop).nonzero().squeeze(-1)  # the rows that go on, alone
             rows = rows[keep]
             lp, finite, mask, beta, log_deficit, low, high, previous_outer = (
-                t[keep] for t in (lp, finite, mask, beta, log_deficit, low, high,
-                                  previous_outer))
+                t[keep] for t in (lp, finite, mask, beta, log_deficit, low, high, previous_outer))
             zeros, inside, p, held, scaled, deficit = (
                 t[keep] for t in (zeros, inside, p, held, scaled, deficit))
             s_new, z_new = s_new[keep], z_new[keep]
@@ -477,8 +474,7 @@ def dual_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: Ten
                                         beta[rows], log_deficit[rows], first[rows], again,
                                         low[rows], high[rows], None)
     if near < lp.shape[-1]:
-        z = torch.cat([z_near, _inner_steps(beta, lp[:, near:], s, z[:, near:], FAR_STEPS)[0]],
-                      -1)
+        z = torch.cat([z_near, _inner_steps(beta, lp[:, near:], s, z[:, near:], FAR_STEPS)[0]], -1)
     else:
         z = z_near
     return values_at(lp, finite, beta, s, z)
@@ -488,8 +484,7 @@ def dual_range(lp: Tensor, finite: Tensor, beta: Tensor, log_deficit: Tensor, k:
                ) -> tuple[Tensor, Tensor, Tensor]:
     """s = log nu of the support of size k: a lower bound, a start inside its bracket
     (`_outer_bracket`), and an upper bound of every size's (size 1's, q_1 = 1)."""
-    low, _, start = _outer_bracket(lp, finite, support_mask(k, lp.shape[-1]), beta,
-                                   log_deficit, k)
+    low, _, start = _outer_bracket(lp, finite, support_mask(k, lp.shape[-1]), beta, log_deficit, k)
     return low, start, torch.log1p(-torch.exp(lp[:, 0]))
 
 

@@ -348,8 +348,7 @@ def _rows(mode, alpha, lam, top_k, k_max, alphas, lams, tops, caps, batch, gener
 
 
 def plan_requests(requests: Sequence[tuple[int, object]], *, batch: int, vocab: int,
-                  device: torch.device | str,
-                  temperatures: Sequence[float] | None = None) -> Plan:
+                  device: torch.device | str, temperatures: Sequence[float] | None = None) -> Plan:
     """The plan of a vLLM batch: ``requests`` lists (batch position,
     `bregman_vllm.params.BregmanParams`, valid by construction: not validated again) for the
     rows to decode; other rows are left alone.

@@ -127,8 +127,7 @@ def level_values(lp: Tensor, finite: Tensor, beta: Tensor, tau: Tensor) -> Multi
     lift = _softplus(rise) / beta
     log_q = torch.where(finite, lp + lift, tau.unsqueeze(-1))
     rate = torch.where(finite, torch.sigmoid(rise), 1.0)
-    return Multiplier(tau, log_q, rate,
-                      torch.where(finite, lift, log_q))
+    return Multiplier(tau, log_q, rate, torch.where(finite, lift, log_q))
 
 
 def _top_log_q(log_p: Tensor, finite: Tensor, beta: Tensor, delta: Tensor) -> Tensor:
@@ -160,8 +159,7 @@ def top_values(lp: Tensor, finite: Tensor, beta: Tensor, delta: Tensor) -> Multi
     log_q = torch.where(finite, lp + lift, -math.inf)
     rate = torch.where(finite, torch.nan_to_num(torch.exp(
         beta * (lp[..., :1] + delta.unsqueeze(-1) - log_q))), 0.0)
-    return Multiplier(delta, log_q, rate,
-                      torch.where(finite, lift, log_q))
+    return Multiplier(delta, log_q, rate, torch.where(finite, lift, log_q))
 
 
 def normalized(log_q: Tensor, mask: Tensor) -> Tensor:
@@ -229,8 +227,7 @@ def primal_multiplier(log_p: Tensor, mask: Tensor, alpha: Tensor, log_deficit: T
         first = torch.where(b < 1, torch.minimum(first, log_ratio), first).minimum(high)
         # q_i >= max(p_i, c): c is at most the water-filling level, a closer upper end than
         # the KL start where the support has a long tail (k* in the thousands).
-        water = _water_level(torch.where(fin, torch.exp(lpi), 0.0), mask[i, :near],
-                             log_deficit[i])
+        water = _water_level(torch.where(fin, torch.exp(lpi), 0.0), mask[i, :near], log_deficit[i])
         first = torch.minimum(first, torch.log(water[..., 0]))
         low = torch.where(k[i] == 1, high, torch.minimum(low, first))  # (size 1: q_1 = 1, given)
         bcol = b.unsqueeze(-1)

@@ -4,10 +4,11 @@ Rows reach it when the window (`window`, or the kernels') could not certify them
 window, a near-tie within rounding, a Newton solve that had not converged), for the families
 without a window formula (`families`), and for user generators; `step.decode_exact` feeds it
 rounds of candidates (the W largest entries of each row, sorted, with the deficits R_k of every
-size; wider rounds for rows whose k* passes them) and writes what it finds. It is the reference
-the window and the kernels are tested against. Paper: arXiv 2505.19371; cost(k) (eq. (6)) is
-discretely convex (Theorem 3.3), so with the gaps G(k) = cost(k) - cost(k + 1) + lambda
-(`gaps`) k* = min {k : G(k) <= lambda}, ties to the smaller support (Algorithm 2).
+size; wider rounds for rows whose k* passes them, probed from where the last round's pointed)
+and writes what it finds. It is the reference the window and the kernels are tested against.
+Paper: arXiv 2505.19371; cost(k) (eq. (6)) is discretely convex (Theorem 3.3), so with the
+gaps G(k) = cost(k) - cost(k + 1) + lambda (`gaps`) k* = min {k : G(k) <= lambda}, ties to the
+smaller support (Algorithm 2).
 
 Pipeline of one round (`support_sizes`), vectorized over rows (loops run over probes):
 
@@ -222,23 +223,28 @@ class _Walk(NamedTuple):
 
 
 def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tensor,
-            high: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
-    """Probes on the multiplier (module docstring, step 2) for rows of one kind, until their
+            high: Tensor, aim: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor,
+                                                 Tensor]:
+    """Probes on the multiplier (module docstring, step 2) for rows of one kind, from ``aim``
+    where a narrower round's probes pointed (else near the scalar of ``low``), until their
     bracket [low, high] of k* is one size wide, or at most `SETTLE` wide and no longer
     narrowing (or three probes in a row: ties), or known to pass the candidates, or pointed
     past them. Returns (low, high, the last probe's scalar and the dual's inner unknowns there
-    (warm starts), which rows were pointed past the candidates: a wider round's)."""
+    (warm starts), which rows were pointed past the candidates: a wider round's, and the
+    scalar their last Newton step aimed at, NaN if none)."""
     n, width = rows.p.shape
     low, high = low.clone(), high.clone()
     top_size = torch.minimum(high, torch.full_like(high, width)).sub(1).clamp_min(1)
     s_low, _, s_high = _ends(kind, rows, top_size)
     # The first probe near the scalar of the lowest size k* may have (the extreme rows' k* is
-    # often next to the floor of the gaps).
-    s = _ends(kind, rows, torch.minimum(low.clamp_min(1), top_size))[1]
+    # often next to the floor of the gaps), or where a narrower round's pointed (one read).
+    s = aim if not bool(aim.isnan().any()) else torch.where(
+        aim.isnan(), _ends(kind, rows, torch.minimum(low.clamp_min(1), top_size))[1], aim)
     s = torch.minimum(torch.maximum(s, s_low), s_high)
     last = s.clone()
     state = None if kind else torch.full_like(rows.p, math.nan)
     nan = torch.full_like(s, math.nan)
+    ahead = nan.clone()
     walk = _Walk(torch.arange(n, device=low.device), s, s_low, s_high, nan, nan,
                  torch.zeros_like(low, dtype=torch.bool), torch.zeros_like(low))
     sub, start, steps, steering = rows, None, STEER_STEPS, True  # (`_values`)
@@ -262,8 +268,7 @@ def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tenso
         d_high = torch.where(below & ~walk.above, 0.5 * walk.d_high, walk.d_high)
         s_high, d_high = torch.where(above, s, walk.s_high), torch.where(above, found.residual,
                                                                          d_high)
-        s_low, d_low = torch.where(below, s, walk.s_low), torch.where(below, found.residual,
-                                                                      d_low)
+        s_low, d_low = torch.where(below, s, walk.s_low), torch.where(below, found.residual, d_low)
         above = torch.where(found.exact, above, walk.above)
         proposal = s + found.step
         inside = (proposal > s_low) & (proposal < s_high)  # (False for NaN and +-inf too)
@@ -279,7 +284,7 @@ def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tenso
         past = found.exact & (found.residual > 0) & (hi > width) & (
             ((found.size >= width - 1) & (columns == full))
             | ((proposal < s_low) & d_low.isnan() & (not steering)))
-        wider[i] = past
+        wider[i], ahead[i] = past, torch.where(past, proposal, math.nan)
         go = (hi - lo > 1) & (narrowed | ((hi - lo > SETTLE) & (stale < 3))) & ~past \
             & (s_high - s_low > 1e-14 * (1.0 + s.abs())) & ((hi <= width) | (lo < width - 1))
         keep = go.nonzero().squeeze(-1)
@@ -306,7 +311,7 @@ def _search(mode: str, kind: int, family: Family | None, rows: _Rows, low: Tenso
                 start = torch.nn.functional.pad(start[keep, :columns],
                                                 (0, columns - min(columns, start.shape[-1])),
                                                 value=math.nan)
-    return low, high, last, state, wider
+    return low, high, last, state, wider, ahead
 
 
 # ----------------------------------------------------------------------------- 4. exact gaps
@@ -393,13 +398,15 @@ def _settle(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
 # ----------------------------------------------------------------------------- rounds
 
 
-def support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The support sizes of one round's rows ``rows`` (``low``: their certified lower bounds):
-    fixed sizes, or the adaptive k* by the closed-form gaps, the probes and the exact gaps.
-    Returns (k, log T_k where the search holds it [n, W], which rows have it, which rows are
-    finished: the others need a wider round, with ``k`` their certified lower bound)."""
+def support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor, aim: Tensor
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The support sizes of one round's rows ``rows`` (``low``: their certified lower bounds;
+    ``aim``: where a narrower round's probes aimed, NaN if none): fixed sizes, or the adaptive
+    k* by the closed-form gaps, the probes and the exact gaps. Returns (k, log T_k where the
+    search holds it [n, W], which rows have it, which rows are finished: the others need a
+    wider round, with ``k`` their certified lower bound, and where their probes aimed)."""
     n, width = cand.x.shape
+    ahead = torch.full_like(aim, math.nan)
     alpha, lam = plan.alpha[rows], plan.lam[rows]
     fixed, cap = plan.fixed_k[rows], plan.k_max[rows]
     values = {name: value[rows] for name, value in plan.values.items()}
@@ -411,7 +418,7 @@ def support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor
     cached = torch.zeros_like(done)
     adaptive = (fixed <= 0).nonzero().squeeze(-1)
     if adaptive.numel() == 0:
-        return k, cache, cached, done
+        return k, cache, cached, done, ahead
     sub = take(cand, adaptive)
     lo = torch.minimum(low[adaptive].clamp_min(1), limit[adaptive])
     hi = limit[adaptive]
@@ -420,11 +427,12 @@ def support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor
         found = closed_sizes(plan.family, sub, lm, hi, width, lo)
         k[adaptive] = found
         done[adaptive] = (found < width) | (hi <= width)
-        return k, cache, cached, done
+        return k, cache, cached, done, ahead
     s = state = None
     wider = torch.zeros_like(lo, dtype=torch.bool)
     if plan.generator is None:
-        lo, hi, s, state, wider = _search_rows(plan, sub, a, lm, lo, hi)
+        lo, hi, s, state, wider, ahead[adaptive] = _search_rows(plan, sub, a, lm, lo, hi,
+                                                                aim[adaptive])
     # Every row settles inside this round but those whose k* is known to pass it.
     past = ((hi > width) & (lo >= width - 1)) | wider
     hi = torch.minimum(hi, torch.full_like(hi, width))
@@ -442,14 +450,16 @@ def support_sizes(plan: ExactPlan, cand: Candidates, rows: Tensor, low: Tensor
     # A row that ran into the end of the candidates goes on in a wider round (``k``: its
     # certified lower bound).
     done[adaptive] = ~past & ((found < width) | (limit[adaptive] <= width))
-    return k, cache, cached, done
+    return k, cache, cached, done, ahead
 
 
 def _search_rows(plan: ExactPlan, cand: Candidates, alpha: Tensor, lam: Tensor, lo: Tensor,
-                 hi: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor]:
+                 hi: Tensor, aim: Tensor
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor, Tensor]:
     """The floor of the gaps and the probes (`_search`, per kind of scalar) for adaptive rows
     with multipliers. Returns their bracket of k*, warm starts for the maps of `_settle`
-    (scalar, dual inner unknowns) and which rows the probes pointed past the candidates."""
+    (scalar, dual inner unknowns), which rows the probes pointed past the candidates and the
+    scalar they aimed at there."""
     width = cand.x.shape[-1]
     # Which scalar each row's map has: 0 the dual's log nu, 1 the primal's water level (alpha >
     # 1), 2 the primal's log delta (alpha < 1).
@@ -471,14 +481,14 @@ def _search_rows(plan: ExactPlan, cand: Candidates, alpha: Tensor, lam: Tensor, 
                 ).nonzero().squeeze(-1)
         if part.numel() == 0:
             continue
-        got = _search(plan.mode, kind, plan.family, rows.cut(part), lo[part], hi[part])
+        got = _search(plan.mode, kind, plan.family, rows.cut(part), lo[part], hi[part], aim[part])
         # (the maps' solvers take delta itself below alpha = 1, `primal.primal_multiplier`)
         lo[part], hi[part] = got[0], got[1]
         s[part] = got[2].exp() if kind == 2 else got[2]
         if got[3] is not None:
             state[part] = got[3]
-        wider[part] = got[4]
-    return lo, hi, s, state, wider
+        wider[part], aim[part] = got[4], got[5]
+    return lo, hi, s, state, wider, aim
 
 
 __all__ = ["SETTLE", "support_sizes"]

@@ -306,8 +306,7 @@ def _support_and_map(cand: Candidates, static: _Static, values: Mapping) -> Deco
             if isinstance(size, Tensor) else cand.known.clamp(1, min(size, static.width))
         if family in ITERATIVE_FAMILIES:
             return iterative_fixed(family, cand, alpha, k, static.width, static.iterations,
-                                   static.below_two, static.above_two,
-                                   certify=static.flags)
+                                   static.below_two, static.above_two, certify=static.flags)
         return Decoded(k, closed_map(family, cand, k, static.width), None)
     low, limit = support_range(cand, values, static.capped)
     if family in CLOSED_GAP_FAMILIES:
@@ -406,9 +405,9 @@ class _Sink(NamedTuple):
 
 
 def _exact_round(scores: Tensor, plan: ExactPlan, now: Tensor, width: int, low: Tensor,
-                 sink: _Sink, scale: Tensor | None) -> Tensor:
+                 aims: Tensor, sink: _Sink, scale: Tensor | None) -> Tensor:
     """One candidate round for the rows ``now``; returns the rows that need a wider one (with
-    their certified lower bounds in ``low``)."""
+    their certified lower bounds in ``low``, the scalars their probes aimed at in ``aims``)."""
     every = now.numel() == scores.shape[0]
     rows_now = scores if every else scores.index_select(0, now)
     rows_scale = None if scale is None else (scale if every else scale.index_select(0, now))
@@ -418,7 +417,7 @@ def _exact_round(scores: Tensor, plan: ExactPlan, now: Tensor, width: int, low: 
         now, cand = now[good], take(cand, good)
     if now.numel() == 0:
         return now
-    k, cache, cached, done = support_sizes(plan, cand, now, low[now])
+    k, cache, cached, done, aim = support_sizes(plan, cand, now, low[now], aims[now])
     if width >= scores.shape[-1]:
         done = torch.ones_like(done)
     fin = done.nonzero().squeeze(-1)
@@ -427,7 +426,7 @@ def _exact_round(scores: Tensor, plan: ExactPlan, now: Tensor, width: int, low: 
         log_q = _final_maps(plan, sub, k[fin], plan.alpha[now[fin]], cache[fin], cached[fin])
         _write_finished(sink, now[fin], sub.index[:, : log_q.shape[-1]], log_q, k[fin])
     again = (~done).nonzero().squeeze(-1)
-    low[now[again]] = k[again].clamp_max(width)
+    low[now[again]], aims[now[again]] = k[again].clamp_max(width), aim[again]
     return now[again]
 
 
@@ -470,6 +469,7 @@ def decode_exact(out: Tensor, k_out: Tensor, scores: Tensor, plan: ExactPlan, *,
         return
     bounds = torch.ones(n, dtype=torch.long, device=scores.device) if low is None \
         else low.clone()
+    aims = torch.full((n,), math.nan, dtype=torch.float64, device=scores.device)
     temperature = None if scale is None else torch.reciprocal(scale)
     sink = _Sink(out, k_out, done, logits, temperature, -math.inf if logits else 0.0)
     width = min(max(INITIAL_CANDIDATES, 2), vocab)
@@ -485,7 +485,7 @@ def decode_exact(out: Tensor, k_out: Tensor, scores: Tensor, plan: ExactPlan, *,
         piece = max(1, MEMORY_BUDGET // max(1, width * _BYTES_PER_ENTRY))
         for start in range(0, now.numel(), piece):
             later = torch.cat([later, _exact_round(scores, plan, now[start:start + piece],
-                                                   width, bounds, sink, scale)])
+                                                   width, bounds, aims, sink, scale)])
         pending = torch.sort(later).values
         grown = width * GROWTH
         grown = vocab if grown * FULL_SORT_FRACTION >= vocab else grown
