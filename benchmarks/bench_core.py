@@ -620,8 +620,9 @@ def sweep_table(args, device: str) -> None:
     on flat and on peaked rows: per (mode, alpha) the costliest lambda, then the costliest of
     all against the bound ``WORK_BOUND``. The costliest lambda of each alpha is also timed,
     alternating with a full `torch.sort` of the same rows (``x sort``; with ``--baseline``,
-    the old core on the same call beside them). ``--quick``: every third alpha and lambda (a
-    smoke run)."""
+    the old core on the same call beside them; ``--every-lambda``: every lambda timed beside
+    the old core, the worst ratio per alpha printed). ``--quick``: every third alpha and
+    lambda (a smoke run)."""
     batch, vocab = (int(x) for x in args.sweep_shape.lower().split("x"))
     old = load_baseline(args.baseline, "bregman_decode_logits") if args.baseline else None
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -632,9 +633,11 @@ def sweep_table(args, device: str) -> None:
           f"10^(-alpha t), t in {SWEEP_EXPONENTS}); work x / ops x: counted elements / "
           f"launched ops over the default call's (eager); x sort: its time over a full "
           f"torch.sort of the same rows, alternating")
+    every = old is not None and args.every_lambda
     print(f"{'rows':<7} {'mode':<7} {'alpha':>7} {'lambda':>10} {'work x':>7} {'ops x':>6} "
-          f"{'median k*':>9} {'cases':>5} {'x sort':>7}" + (f" {'old x sort':>10}" if old else ""))
-    worst, worst_sort, worst_old = (0.0, ""), (0.0, ""), (0.0, "")
+          f"{'median k*':>9} {'cases':>5} {'x sort':>7}" + (f" {'old x sort':>10}" if old else "")
+          + (f" {'worst new/old of every lambda':>30}" if every else ""))
+    worst, worst_sort, worst_old, worst_ratio = (0.0, ""), (0.0, ""), (0.0, ""), (0.0, "")
     for kind, logits in inputs.items():
         logits = logits.to(device)
 
@@ -646,10 +649,16 @@ def sweep_table(args, device: str) -> None:
         for mode, alphas in SWEEP_ALPHAS.items():
             for alpha in alphas[1::3] if args.quick else alphas:
                 lambdas = sweep_lambdas(alpha)[::3] if args.quick else sweep_lambdas(alpha)
-                rows = []
+                rows, ratios = [], []
                 for lam in lambdas:
                     call = lambda lam=lam, logits=logits, alpha=alpha, mode=mode: (  # noqa: E731
                         bregman_decode_logits(logits, alpha=alpha, lam=lam, mode=mode))
+                    if every:  # (every lambda timed beside the old core, not only the costliest)
+                        pair = _side_by_side([call, lambda lam=lam, logits=logits, alpha=alpha,
+                                              mode=mode: old(logits, alpha=alpha, lam=lam,
+                                                             mode=mode)],
+                                             device, max(1, args.repeats // 2))
+                        ratios.append((pair[0] / pair[1], lam))
                     out = call()
                     if bool(out.isnan().any()) or not bool(
                             torch.isfinite(torch.logsumexp(out.double(), -1)).all()):
@@ -673,11 +682,18 @@ def sweep_table(args, device: str) -> None:
                 if old is not None:
                     line += f" {seconds[2] / seconds[0]:>10.2f}"
                     worst_old = max(worst_old, (seconds[2] / seconds[0], line))
+                if every:
+                    ratio, at = max(ratios)
+                    line += f" {ratio:>19.2f} at {at:>7.3g}"
+                    worst_ratio = max(worst_ratio, (ratio, f"{kind} {mode} {alpha:g} {at:.3g}"))
                 print(line, flush=True)
                 worst = max(worst, (top[0], line))
                 worst_sort = max(worst_sort, (seconds[1] / seconds[0], line))
     print(f"worst counted multiple {worst[0]:.1f}x ({' '.join(worst[1].split())}); "
           f"bound M = {WORK_BOUND:.0f}x")
+    if every:
+        print(f"every lambda: worst time over the old core's {worst_ratio[0]:.2f}x "
+              f"({worst_ratio[1]})")
     print(f"worst multiple of a sort of the same rows {worst_sort[0]:.2f}x "
           f"({' '.join(worst_sort[1].split())})"
           + (f"; old core {worst_old[0]:.2f}x ({' '.join(worst_old[1].split())})" if old
@@ -700,6 +716,9 @@ def main() -> None:
     parser.add_argument("--extremes-shape", default="64x49152",
                         help="BxV of the extreme-parameter table")
     parser.add_argument("--sweep-shape", default="8x49152", help="BxV of the parameter sweep")
+    parser.add_argument("--every-lambda", action="store_true",
+                        help="--only sweep --baseline REV: also time every lambda of each alpha "
+                             "beside the old core, not only the costliest, and print the worst")
     parser.add_argument("--floor-caps", type=int, nargs="*", default=[4096, 1024],
                         help="--only floor: also each case with these k_max (a server's "
                              "--max-support)")
