@@ -69,8 +69,9 @@ STEER_STEPS, PROBE_STEPS = 1, 2
 STRADDLE = 1e-6
 STEER = 0.1
 STEERING = 3
-#: Sizes the exact gaps decide at once (`_settle`); a wider bracket is halved first.
-SETTLE = 4
+#: Sizes the exact gaps decide at once (`_settle`); a wider bracket is halved first, and
+#: brackets of different widths are, past `SHORT_MAPS` candidates.
+SETTLE, SHORT_MAPS = 4, 512
 #: Distance of log G from log lambda, per unit of |log lambda| + 1, within which the series gap
 #: (`_series`) decides nothing (25x its largest error measured within `gaps.SERIES_REACH`), and
 #: the sizes it is tried from (below, adjacent sizes' scalars are rarely that close).
@@ -347,8 +348,9 @@ def _settle(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
             low: Tensor, high: Tensor, generator: BregmanGenerator | None,
             s: Tensor | None, state: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """The smallest k in [low, high] with G(k) <= lambda (or high) by exact gaps: rows with a
-    few sizes left by the series (`_series`) first; every size at once where every row has the same
-    few left (at most `SETTLE`); else Algorithm 2's binary search, one gap per step. ``high``
+    few sizes left by the series (`_series`) first; every size at once where every row has the
+    same few left (at most `SETTLE`; or a few, `SHORT_MAPS`); else Algorithm 2's binary search,
+    one gap per step. ``high``
     must be within the candidates. Returns (k, log T_k where a gap's maps held it ([n, W],
     -inf rows otherwise), which rows have it)."""
     low, high = low.clone(), high.clone()
@@ -372,8 +374,9 @@ def _settle(family: Family | None, mode: str, cand: Candidates, alpha: Tensor, l
             return low, cache, cached & (low == high)
         lo, hi = low[active], high[active]
         span = hi - lo
-        every = int(span.min()) == int(span.max()) <= SETTLE  # (every size left at once)
-        count, first = (int(span[0]), lo) if every else (1, lo + span // 2)
+        widest = int(span.max())  # (all at once: the same few left, or a few on short maps)
+        every = widest <= SETTLE and (int(span.min()) == widest or width <= SHORT_MAPS)
+        count, first = (widest, lo) if every else (1, lo + span // 2)
         first = torch.minimum(first, hi - 1).clamp_max(width - count)  # T_(first + count) exists
         log_gap, maps = consecutive_gaps(
             family, mode, take(cand, active), first, count, alpha[active], lam[active],
