@@ -409,8 +409,8 @@ def _side_by_side(calls: list[Callable[[], object]], device: str, repeats: int
     runs = [timer(call, device) for call in calls]
     first = [run() for run in runs]
     samples: list[list[float]] = [[] for _ in runs]
-    short = min(40, max(repeats, int(0.1 / max(max(first), 1e-6))))
-    for turn in range(1 if max(first) > 2.0 else short):
+    count = max(repeats, min(40, int(0.1 / max(max(first), 1e-6))))  # (never below --repeats)
+    for turn in range(1 if max(first) > 2.0 else count):
         # (each repetition starts with the next call: the call right after a full sort pays
         # for its cold caches, which is a tenth of a millisecond call)
         for i in (turn + j for j in range(len(runs))):
