@@ -13,8 +13,9 @@ Sections (``--only`` runs one), in order:
    ``torch.softmax`` and ``torch.sort`` of the same batch, at each ``--shapes``, with the
    ratio to the softmax (targets: the default at most 2x, every family at most 3x at
    [256, 128256]), and the host time of the call (what the launches cost);
-4. ``flat``: the worst cases, flat rows whose k* is in the tens of thousands (the kernels, the
-   hand-off's one sync and the exact path), beside a full ``torch.sort``;
+4. ``flat``: the worst cases, flat rows whose k* is in the tens of thousands (the kernels' wide
+   pass: one sort of the batch and the search over whole rows), beside a full ``torch.sort``
+   (target: at most one sort);
 5. ``counts``: launches (kernel launches plus torch ops, `bregman_vllm.diagnostics.
    DispatchCounter`) and host syncs of one step per family;
 6. ``recompiles``: kernels compiled by steps over batch sizes 1 to 256 after the warm-up (0:
@@ -71,6 +72,10 @@ FAMILIES: dict[str, dict] = {
     "dual a=1.2 lam=1e-2 (search)": dict(alpha=1.2, lam=1e-2, mode="dual"),
     "dual a=4 lam=1e-3 (search)": dict(alpha=4.0, lam=1e-3, mode="dual"),
     "primal a=1.5 lam=1e-6 k_max=1024 (search)": dict(alpha=1.5, lam=1e-6, k_max=1024),
+    # (the wide pass: rows whose k* may pass the search's candidates, a fixed size past them)
+    "primal a=10 lam=1e-60 (wide)": dict(alpha=10.0, lam=1e-60),
+    "dual a=4 lam=1e-30 (wide)": dict(alpha=4.0, lam=1e-30, mode="dual"),
+    "top_k=2000 a=1.5 (wide)": dict(alpha=1.5, lam=0.0, top_k=2000),
     "mixed: every family, one batch": {},
 }
 #: The configurations the timed section runs.
@@ -81,7 +86,7 @@ FLAT: dict[str, dict] = {
     "primal a=1 lam=1e-5": dict(alpha=1.0, lam=1e-5),
     "primal a=3 lam=1e-9": dict(alpha=3.0, lam=1e-9),
     "dual a=3 lam=1e-9": dict(alpha=3.0, lam=1e-9, mode="dual"),
-    # (a server's default largest support: the search pass on the device, no hand-off)
+    # (a server's default largest support: the search pass, no wide pass)
     "primal a=1.5 lam=1e-9 k_max=1024": dict(alpha=1.5, lam=1e-9, k_max=1024),
     "dual a=3 lam=1e-9 k_max=1024": dict(alpha=3.0, lam=1e-9, mode="dual", k_max=1024),
 }
@@ -225,8 +230,8 @@ def flat_cases(args) -> None:
     def restore():
         scores.copy_(logits)
 
-    print(f"\nflat worst cases at [{batch}, {vocab}] (k* in the tens of thousands: the exact "
-          "path), GPU ms and x a full torch.sort")
+    print(f"\nflat worst cases at [{batch}, {vocab}] (k* in the tens of thousands: the wide "
+          "pass), GPU ms and x a full torch.sort")
     sort, _ = gpu_time(lambda: torch.sort(scores, -1, descending=True), restore, args.device,
                        args.repeats)
     print(f"  {'torch.sort':<40} {sort:8.3f} {1.0:7.2f}")
@@ -312,7 +317,8 @@ _TYPES = dict(
     index_ptr="*i64", total_ptr="*fp64", valid_ptr="*i1", values_ptr="*fp32", k_ptr="*i64",
     mode_ptr="*i32", needs_ptr="*i1", flagged_ptr="*i32", low_ptr="*i64", shift_ptr="*fp64",
     bound_ptr="*fp64", found_ptr="*i64", found_values_ptr="*fp32", width="i32",
-    skip_needs="i32", host="i32")
+    past="i32", wide_ptr="*i64", wide_values_ptr="*fp32", wide_stride="i32",
+    sorted_ptr="*fp32", tails_ptr="*fp64", tails_stride="i32")
 
 
 def _variants(vocab: int, widths: list[int] | None = None
@@ -351,6 +357,9 @@ def _variants(vocab: int, widths: list[int] | None = None
         out += [(f"select C={width}", kernel_step._select_kernel, select(width, True), 8),
                 (f"search C={width}", kernel_step._search_kernel,
                  dict(LOGITS=True, C=width), 8)]
+    if not widths or vocab in widths:
+        out.append((f"wide V={vocab}", kernel_step.wide_kernel,
+                    dict(LOGITS=True, SMALLEST=smallest, B=kernel_step.WIDE_BLOCK), 8))
     return out
 
 
@@ -427,7 +436,8 @@ def main() -> None:
                         help="tiny shapes, 1 repeat (the CPU under the interpreter)")
     args = parser.parse_args()
     if args.smoke:  # (the timed sections on three configurations)
-        args.shapes, args.check_shape, args.flat_shape = [(2, 512)], (3, 512), (1, 512)
+        # (a row of 1024: past the interpreter's widest search candidates, 512)
+        args.shapes, args.check_shape, args.flat_shape = [(2, 512)], (3, 1024), (1, 1024)
         args.vocab, args.max_batch, args.repeats = 512, 2, 1
         for table in (TIMED, FLAT_TIMED):
             for name in list(table)[3:]:

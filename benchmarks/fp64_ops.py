@@ -14,7 +14,10 @@ not; a scalar counts 1), split into
 Each case is one row (its request alone in a batch of one) at [1, 8192]; the kernels are the
 step's (`kernels.step`), counted per kernel: ``decode`` (the window) and ``search`` (the search
 pass's kernel, at the candidates the layout chose: 64, 256, or the widest, 512 under the
-interpreter and 1024 on a GPU, where the search's vector ops count about twice as many lanes).
+interpreter and 1024 on a GPU, where the search's vector ops count about twice as many lanes)
+and ``wide`` (the wide pass's kernel, over the whole sorted row in blocks of 256 entries under
+the interpreter and 1024 on a GPU: a partly used block counts all its lanes, so the GPU's
+counts are up to four times these on the blocks a sum stops in).
 The read and select kernels are float32 but for the candidates' normalization (a few float64
 operations per candidate) and are left out.
 
@@ -74,7 +77,23 @@ CASES = [
      {"bregman_mode": "dual", "bregman_alpha": 1.2, "bregman_lambda": 1e-4,
       "bregman_k_max": 500}),
     ("primal 3/2 top_k 300", "search wide (fixed)", {"bregman_alpha": 1.5, "bregman_top_k": 300}),
+    ("KL lambda 2e-4", "past: wide pass", {"bregman_alpha": 1.0, "bregman_lambda": 2e-4}),
+    ("primal 2 lambda 1e-6", "past: wide pass", {"bregman_alpha": 2.0, "bregman_lambda": 1e-6}),
+    ("primal 10 lambda 1e-32", "past: wide pass",
+     {"bregman_alpha": 10.0, "bregman_lambda": 1e-32}),
+    ("primal 0.5 lambda 3e-2", "past: wide pass", {"bregman_alpha": 0.5, "bregman_lambda": 3e-2}),
+    ("dual 3/2 lambda 1e-5", "past: wide pass",
+     {"bregman_mode": "dual", "bregman_alpha": 1.5, "bregman_lambda": 1e-5}),
+    ("dual 4 lambda 1e-14", "past: wide pass",
+     {"bregman_mode": "dual", "bregman_alpha": 4.0, "bregman_lambda": 1e-14}),
+    ("dual 1.2 lambda 3e-4", "past: wide pass",
+     {"bregman_mode": "dual", "bregman_alpha": 1.2, "bregman_lambda": 3e-4}),
+    ("primal 10 top_k 1500", "past: wide pass (fixed)",
+     {"bregman_alpha": 10.0, "bregman_top_k": 1500}),
+    ("KL top_k 1500", "past: wide pass (fixed)", {"bregman_alpha": 1.0, "bregman_top_k": 1500}),
 ]
+#: The kernels counted (the read and select kernels: see above; the write kernel has none).
+KERNELS = ("_decode_kernel", "_search_kernel", "wide_kernel")
 
 _ARITH = {"create_fadd", "create_fsub", "create_fmul", "create_fdiv", "create_frem",
           "create_fneg", "create_precise_divf", "create_minimumf", "create_maximumf",
@@ -131,7 +150,7 @@ def main() -> int:
     def counted_launch(kernel, grid, *args, **meta):
         name = kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel)
         counter.counts = per_kernel.setdefault(name, collections.Counter())
-        counter.active = name in ("_decode_kernel", "_search_kernel")
+        counter.active = name in KERNELS
         try:
             launch(kernel, grid, *args, **meta)
         finally:
@@ -151,11 +170,12 @@ def main() -> int:
                              device="cpu")
         per_kernel.clear()
         out = decode(scores.clone(), plan, logits=True, backend="triton")
-        for kernel in ("_decode_kernel", "_search_kernel"):
+        for kernel in KERNELS:
             counts = per_kernel.get(kernel)
             if not counts:
                 continue
-            print(f"{name:36s} {path:22s} {int(out.k[0]):5d} {kernel[1:-7]:8s} "
+            label = kernel.strip("_").removesuffix("_kernel")
+            print(f"{name:36s} {path:22s} {int(out.k[0]):5d} {label:8s} "
                   f"{counts['arith']:10d} {counts['transc']:9d} {counts['reduce']:9d}")
     return 0
 

@@ -4,9 +4,10 @@
 #
 # * kernels (issue 24, the default): the Triton kernels of the CUDA step beside the torch step
 #   (benchmarks/bench_triton.py): the warm-up from an empty Triton cache and again from the
-#   cache (a restart), then exactness at [256, 128256], GPU times at [64, 128256] and
-#   [256, 128256] beside torch.softmax and torch.sort, the flat worst cases, launches and syncs,
-#   recompiles;
+#   cache (a restart), then exactness at [256, 128256] (the window's families, the search
+#   pass's and the wide pass's), GPU times at [64, 128256] and [256, 128256] beside
+#   torch.softmax and torch.sort, the flat worst cases (the wide pass: k* in the tens of
+#   thousands, beside a sort), launches and syncs, recompiles;
 # * exact (issue 25): the exact path's worst cases on the GPU (benchmarks/bench_core.py): the
 #   floor table at [256, 128256] (a sort, the output map alone with k* given, the whole call)
 #   and the extremes table at [64, 128256] (each case's time over a sort of the same rows,
@@ -28,8 +29,8 @@ DEVICE=${DEVICE:-cuda}  # (DEVICE=cpu with SMALL=1: the script's own check on a 
 if [ "${SMALL:-0}" = 1 ]; then FLOOR_SHAPE=4x4096 EXTREMES_SHAPE=4x4096; else
     FLOOR_SHAPE=256x128256 EXTREMES_SHAPE=64x128256; fi
 
-# run LIMIT_SECONDS COMMAND...: each stage under its own limit (kernels: 200 + 60 + 200 s;
-# exact: 120 + 300 s)
+# run LIMIT_SECONDS COMMAND...: each stage under its own limit (kernels: 240 + 30 + 200 s, the
+# cold warm-up compiling every kernel, the wide pass's too; exact: 120 + 300 s)
 run() {
     echo "+ ${*:2}"
     timeout "$@"
@@ -43,8 +44,8 @@ run() {
                                        "triton", triton.__version__)'
     case "$which" in
         kernels)
-            run 200 $PY benchmarks/bench_triton.py --only warm-up
-            run 60 $PY benchmarks/bench_triton.py --only warm-up
+            run 240 $PY benchmarks/bench_triton.py --only warm-up
+            run 30 $PY benchmarks/bench_triton.py --only warm-up
             run 200 $PY benchmarks/bench_triton.py --skip warm-up
             ;;
         exact)

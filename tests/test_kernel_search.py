@@ -385,38 +385,35 @@ def test_a_capped_row_stops_at_its_cap(mode):
 @pytest.fixture
 def counted(monkeypatch):
     """The step's kernel launches (`kernels.step._launch`, run outside the dispatch counter:
-    under the interpreter a launch is torch ops on CPU tensors) and its host hand-offs (the
-    step's one sync: on CPU tensors the read of the flags is no op the counter sees)."""
-    seen = {"launches": 0, "hand_offs": 0}
-    launch, hand_off = kernel_step._launch, kernel_step.hand_off
+    under the interpreter a launch is torch ops on CPU tensors)."""
+    seen = {"launches": 0}
+    launch = kernel_step._launch
 
     def counted_launch(kernel, grid, *args, **meta):
         seen["launches"] += 1
         with _disable_current_modes():
             launch(kernel, grid, *args, **meta)
 
-    def counted_hand_off(*args, **kwargs):
-        seen["hand_offs"] += 1
-        with _disable_current_modes():
-            return hand_off(*args, **kwargs)
-
     monkeypatch.setattr(kernel_step, "_launch", counted_launch)
-    monkeypatch.setattr(kernel_step, "hand_off", counted_hand_off)
     monkeypatch.setenv("BREGMAN_BACKEND", "triton")
     return seen
 
 
-def _step(scores, configs, temperatures=None, logits=True, counted=None, syncs=None):
+def _step(scores, configs, temperatures=None, logits=True, counted=None):
     """One step of the kernels and of the float64 torch step on the same scores: the same k*,
     q within 2e-5, the same supports, plain rows untouched; with ``counted``, the step's
-    launches (at most 10) and host hand-offs (``syncs``) and no torch op that syncs."""
+    launches (the kernels' and the torch ops': at most 10; ``counted["total"]``) and no host
+    sync."""
     vocab = scores.shape[-1]
     plan = plan_of(configs, vocab, temperatures)
     if counted is not None:
-        decode_step(scores.clone(), plan, logits=logits, backend="triton")  # (its table, once)
-        counted.update(launches=0, hand_offs=0)
+        # (its table, made once per plan, and the identity mapping, once per batch size)
+        kernel_step._table_of(plan, scores.device)
+        kernel_step._identity(scores.shape[0], scores.device)
+        counted.update(launches=0)
+    fresh = scores.clone()
     with DispatchCounter() as counter:
-        got = decode_step(scores.clone(), plan, logits=logits, backend="triton")
+        got = decode_step(fresh, plan, logits=logits, backend="triton")
     want = decode_step(scores.double(), plan_of(configs, vocab, temperatures), logits=logits,
                        backend="torch")
     names = [str(config) for config in configs]
@@ -429,8 +426,10 @@ def _step(scores, configs, temperatures=None, logits=True, counted=None, syncs=N
     plain = torch.tensor([config is None for config in configs])
     assert torch.equal(got.out[plain], scores[plain])
     if counted is not None:
+        counted["total"] = counted["launches"] + counter.launches
+        counted["ops"] = dict(counter.launch_ops)
         assert counter.syncs == 0, dict(counter.sync_ops)
-        assert counted["launches"] <= 10 and counted["hand_offs"] == syncs, counted
+        assert counted["total"] <= 10, (counted, dict(counter.launch_ops))
     return got, want
 
 
@@ -467,7 +466,7 @@ def test_the_general_maps_within_the_window_decode_on_the_device(counted):
     g = torch.Generator().manual_seed(21)
     scores = torch.randn(len(IN_WINDOW), 4096, generator=g) * \
         torch.linspace(1.0, 5.0, len(IN_WINDOW)).unsqueeze(-1)
-    got, _ = _step(scores, IN_WINDOW, counted=counted, syncs=0)
+    got, _ = _step(scores, IN_WINDOW, counted=counted)
     assert counted["launches"] == 6
     for row in (0, 3, 5, 7):
         want = _reference(scores[row:row + 1], IN_WINDOW[row])
@@ -492,7 +491,7 @@ def test_rows_past_the_window_decode_on_the_device(counted):
     candidates: the search pass decodes them on the device, no sync."""
     g = torch.Generator().manual_seed(22)
     scores = torch.randn(len(PAST), 8192, generator=g) * 0.8
-    got, _ = _step(scores, PAST, counted=counted, syncs=0)
+    got, _ = _step(scores, PAST, counted=counted)
     assert bool((got.k > kernel_step.WIDE_WINDOW).all()), got.k
     want = _reference(scores[:1], PAST[0])
     assert int(got.k[0]) == int(want.k[0])
@@ -500,9 +499,10 @@ def test_rows_past_the_window_decode_on_the_device(counted):
 
 def test_the_widest_candidates_limit(counted):
     """Rows held to k_max 300 and to the search's widest width (k* = the cap), fixed sizes of
-    300 and the widest width, decoded on the device; beside them a row whose k* passes the
-    widest candidates and a fixed size past them: those two go to the host's exact path (one
-    sync) and end as the float64 step decodes them."""
+    300 and the widest width, decoded by the search pass; beside them a row whose k* passes the
+    widest candidates and a fixed size past them: those two take the wide pass (one sort of the
+    batch and its kernel: seven launches and the sort, no sync) and end as the float64 step
+    decodes them."""
     wide = kernel_step.SEARCH_WIDTH
     configs = [
         {"bregman_mode": "dual", "bregman_alpha": 1.2, "bregman_lambda": 1e-6,
@@ -515,9 +515,9 @@ def test_the_widest_candidates_limit(counted):
     ]
     g = torch.Generator().manual_seed(23)
     scores = torch.randn(len(configs), 8192, generator=g) * 0.3
-    got, _ = _step(scores, configs, counted=counted, syncs=1)
+    got, _ = _step(scores, configs, counted=counted)
     assert got.k[:4].tolist() == [300, wide, 300, wide] and int(got.k[4]) > wide
-    assert counted["launches"] == 6
+    assert counted["launches"] == 7 and counted["total"] == 8, counted
 
 
 def test_ties_masked_entries_and_rows_that_are_not_distributions(counted):
@@ -564,38 +564,43 @@ def test_temperatures_other_than_one_and_probabilities(counted):
     temperatures = [0.7, 1.3, 0.5, 2.0, 0.8, 1.5]
     g = torch.Generator().manual_seed(25)
     scores = torch.randn(len(configs), 1024, generator=g) * 3.0
-    _step(scores, configs, temperatures, counted=counted, syncs=0)
+    _step(scores, configs, temperatures, counted=counted)
     probs = torch.softmax(scores, -1)
     probs[1, :7] = 0.0
-    _step(probs, configs, logits=False, counted=counted, syncs=0)
+    _step(probs, configs, logits=False, counted=counted)
 
 
 def test_a_mixed_batch_in_slots(counted):
     """Model Runner V2: every family (the window's, the general maps, a row past the window,
-    fixed sizes wide and narrow, keep-all, a plain request) in shuffled slots, with draft rows
-    and temperatures: each row decoded as its slot's request alone by the float64 step, in at
-    most 10 launches and no sync."""
+    fixed sizes wide and narrow, a fixed size and a dual row past the search's candidates,
+    keep-all, a plain request) in shuffled slots, with draft rows and temperatures: each row
+    decoded as its slot's request alone by the float64 step, in seven launches and the wide
+    pass's sort, no sync."""
     configs = [NARROW["kl"], NARROW["power 3"], NARROW["dual 3/2"], NARROW["top_k water"],
                IN_WINDOW[0], IN_WINDOW[3], IN_WINDOW[7], PAST[3], None, NARROW["keep all"],
                {"bregman_alpha": 1.5, "bregman_top_k": 300},
-               {**WIDE["kl 1e-3"], "bregman_k_max": 400}]
-    temperatures = [0.7, 1.0, 1.3, 0.9, 1.1, 1.0, 0.8, 1.0, 1.0, 1.2, 1.0, 0.6]
+               {**WIDE["kl 1e-3"], "bregman_k_max": 400},
+               {"bregman_alpha": 10.0, "bregman_top_k": 1000},
+               {"bregman_mode": "dual", "bregman_alpha": 1.2, "bregman_lambda": 1e-9}]
+    temperatures = [0.7, 1.0, 1.3, 0.9, 1.1, 1.0, 0.8, 1.0, 1.0, 1.2, 1.0, 0.6, 0.9, 1.4]
     proc = BregmanLogitsProcessor(SimpleNamespace(), SimpleNamespace(
         device=torch.device("cpu"), vocab_size=2048, max_num_reqs=16))
     for slot, (config, temperature) in enumerate(zip(configs, temperatures, strict=True)):
         proc.add_request(slot, SamplingParams(temperature=temperature, extra_args=config))
     proc.apply_staged_writes()
-    order = [5, 11, 0, 7, 3, 9, 1, 8, 10, 2, 6, 4]
-    rows_of = [5, 11, 0, 0, 7, 3, 9, 1, 8, 10, 2, 2, 6, 4]  # (slots 0 and 2: two rows each)
+    order = [5, 11, 12, 0, 7, 3, 9, 1, 8, 13, 10, 2, 6, 4]
+    rows_of = [5, 11, 12, 0, 0, 7, 3, 9, 1, 8, 13, 10, 2, 2, 6, 4]  # (slots 0, 2: two rows)
     logits = model_logits(len(rows_of), 2048, seed=26)
     ctx = _context(order, rows_of)
     proc.apply(logits.clone(), ctx)  # (its layout, once)
     scores = logits.clone()
-    counted.update(launches=0, hand_offs=0)
+    counted.update(launches=0)
     with DispatchCounter() as counter:
         out = proc.apply(scores, ctx)
-    assert counter.syncs == 0 and counted["hand_offs"] == 0, dict(counter.sync_ops)
-    assert counted["launches"] == 6
+    assert counter.syncs == 0, dict(counter.sync_ops)
+    # (the processor's slot gather and the wide pass's sort beside the kernels)
+    assert counted["launches"] == 7 and counter.launch_ops["aten::sort"] == 1
+    assert counted["launches"] + counter.launches <= 10, dict(counter.launch_ops)
     for row, slot in enumerate(rows_of):
         if configs[slot] is None:
             assert torch.equal(out[row], logits[row])
@@ -609,6 +614,85 @@ def test_a_mixed_batch_in_slots(counted):
         torch.testing.assert_close(q, q_want, rtol=0, atol=2e-5)
 
 
+#: Rows whose k* or fixed size passes the search's widest candidates (512 under the
+#: interpreter; k* 600 to 2,900 on the rows of `test_rows_past_the_search_decode_on_the_device`):
+#: the general maps, the quadratic duals, a power family, the closed-form gaps, fixed sizes of
+#: every closed-form map and of the general ones.
+BEYOND = [
+    {"bregman_alpha": 10.0, "bregman_lambda": 1e-32},
+    {"bregman_alpha": 0.5, "bregman_lambda": 3e-2},
+    {"bregman_alpha": 1.05, "bregman_lambda": 2e-4},
+    {"bregman_alpha": 3.0, "bregman_lambda": 1e-9},
+    {"bregman_mode": "dual", "bregman_alpha": 4.0, "bregman_lambda": 1e-14},
+    {"bregman_mode": "dual", "bregman_alpha": 10.0, "bregman_lambda": 1e-30},
+    {"bregman_mode": "dual", "bregman_alpha": 1.2, "bregman_lambda": 3e-4},
+    {"bregman_mode": "dual", "bregman_alpha": 1.5, "bregman_lambda": 1e-5},
+    {"bregman_mode": "dual", "bregman_alpha": 3.0, "bregman_lambda": 1e-9},
+    {"bregman_alpha": 1.0, "bregman_lambda": 2e-4},
+    {"bregman_alpha": 1.5, "bregman_lambda": 1e-5},
+    {"bregman_alpha": 2.0, "bregman_lambda": 1e-6},
+    {"bregman_alpha": 1.0, "bregman_top_k": 1500},
+    {"bregman_alpha": 1.5, "bregman_top_k": 1500},
+    {"bregman_alpha": 2.0, "bregman_top_k": 1500},
+    {"bregman_alpha": math.inf, "bregman_top_k": 1500},
+    {"bregman_alpha": -math.inf, "bregman_top_k": 1500},
+    {"bregman_alpha": 10.0, "bregman_top_k": 1500},
+    {"bregman_mode": "dual", "bregman_alpha": 4.0, "bregman_top_k": 2000},
+    None,
+]
+
+
+def test_rows_past_the_search_decode_on_the_device(counted):
+    """Every family whose k* or fixed size passes the search's widest candidates (flat rows of
+    4096, k* in the thousands): the wide pass decodes it on the whole sorted row (one sort and
+    seven launches, no sync), as the float64 torch step does, and as the independent reference
+    does for the general maps."""
+    g = torch.Generator().manual_seed(31)
+    scores = torch.randn(len(BEYOND), 4096, generator=g) * 0.5
+    got, _ = _step(scores, BEYOND, counted=counted)
+    assert counted["launches"] == 7 and counted["total"] == 8, counted
+    assert bool((got.k[:-1] > kernel_step.SEARCH_WIDTH).all()), got.k
+    for row in (0, 1, 4, 6):
+        want = _reference(scores[row:row + 1], BEYOND[row])
+        assert int(got.k[row]) == int(want.k[0])
+        np.testing.assert_allclose(got.out[row].double().exp().numpy(), np.exp(want.log_q[0]),
+                                   rtol=0, atol=2e-5)
+
+
+def test_the_wide_pass_on_ties_masks_temperatures_and_probabilities(counted):
+    """The wide pass on ties across the boundary of a fixed size (the smaller positions kept:
+    `formulas.order_key`'s order; the torch step's top-k may keep others, so the values are
+    compared sorted), grammar-masked (-inf) entries, rows that are NaN or hold +inf (left as
+    they are), temperatures other than 1, and probabilities in."""
+    ties = [{"bregman_alpha": 10.0, "bregman_top_k": 1000},
+            {"bregman_alpha": 1.0, "bregman_top_k": 1000}, None]
+    g = torch.Generator().manual_seed(32)
+    scores = torch.randn(3, 4096, generator=g) * 0.5
+    scores[:, 500:1700] = 2.5  # 1,200 tied tokens across the boundary of 1000
+    got = decode_step(scores.clone(), plan_of(ties, 4096), logits=True, backend="triton")
+    want = decode_step(scores.double(), plan_of(ties, 4096), logits=True, backend="torch")
+    assert got.k.tolist() == want.k.tolist() == [1000, 1000, 0]
+    assert bool(torch.isfinite(got.out[:2, 500:1500]).all())
+    q = got.out[:2].double().exp().sort(-1, descending=True).values
+    q_want = want.out[:2].exp().sort(-1, descending=True).values
+    torch.testing.assert_close(q, q_want, rtol=0, atol=2e-5)
+    configs = [{"bregman_mode": "dual", "bregman_alpha": 4.0, "bregman_lambda": 1e-14},
+               {"bregman_alpha": 0.5, "bregman_lambda": 3e-2},
+               {"bregman_alpha": 10.0, "bregman_lambda": 1e-32},
+               {"bregman_alpha": 1.0, "bregman_lambda": 2e-4}]
+    scores = torch.randn(len(configs), 4096, generator=g) * 0.5
+    scores[:2, ::5] = -math.inf  # grammar-masked
+    scores[2, 9] = math.nan
+    scores[3, 17] = math.inf
+    got, _ = _step(scores, configs, [1.3, 0.7, 1.0, 1.0], counted=counted)
+    assert int(got.k[0]) > kernel_step.SEARCH_WIDTH and got.k[2:].tolist() == [0, 0]
+    assert not torch.isfinite(got.out[:2, ::5]).any()
+    torch.testing.assert_close(got.out[2:], scores[2:], rtol=0, atol=0, equal_nan=True)
+    probs = torch.softmax(scores[:2] / 0.9, -1)
+    probs[1, 3] = 0.0
+    _step(probs, configs[:2], logits=False, counted=counted)
+
+
 def test_a_row_the_search_cannot_decide_without_the_host_is_still_written(monkeypatch,
                                                                           counted):
     """Where the layout says no row can need the host (every row's reach within the search's
@@ -620,7 +704,7 @@ def test_a_row_the_search_cannot_decide_without_the_host_is_still_written(monkey
     g = torch.Generator().manual_seed(27)
     scores = torch.randn(2, 4096, generator=g) * 0.8
     got = decode_step(scores.clone(), plan_of(configs, 4096), logits=True, backend="triton")
-    assert counted["hand_offs"] == 0 and bool((got.k >= 63).all()), got.k
+    assert bool((got.k >= 63).all()), got.k
     q = got.out.double().exp()
     assert torch.equal((q > 0).sum(-1), got.k)
     torch.testing.assert_close(q.sum(-1), torch.ones(2, dtype=F64), rtol=0, atol=1e-5)
@@ -649,9 +733,9 @@ def test_the_support_bound_holds(mode):
 
 
 def test_a_nan_from_the_search_is_never_written(monkeypatch, counted):
-    """Should the search's map come out NaN, the row is not written with it: without a
-    hand-off an exact-family row stays as it came (k = 0) and the other rows are decoded;
-    with one, the host's exact path decodes it."""
+    """Should the search's map come out NaN, the row is not written with it: without the
+    wide pass an exact-family row stays as it came (k = 0) and the other rows are decoded;
+    with it, the wide pass decodes the row on the whole sorted row."""
     def broken(dual, closed, alpha, lam, x, log_x, deficit, low, limit, positions, C):
         return low, tl.full([C], float("nan"), tl.float64), low >= 0
 
@@ -660,8 +744,8 @@ def test_a_nan_from_the_search_is_never_written(monkeypatch, counted):
     g = torch.Generator().manual_seed(30)
     scores = torch.randn(2, 1024, generator=g) * 3.0
     got = decode_step(scores.clone(), plan_of(configs, 1024), logits=True, backend="triton")
-    assert counted["hand_offs"] == 0 and int(got.k[0]) == 0 and int(got.k[1]) > 0
+    assert int(got.k[0]) == 0 and int(got.k[1]) > 0
     assert torch.equal(got.out[0], scores[0])
-    configs = [{"bregman_alpha": 1.05, "bregman_lambda": 1e-6}]  # (its reach passes C: host)
-    got, _ = _step(torch.randn(1, 1024, generator=g), configs)
-    assert counted["hand_offs"] == 1
+    configs = [{"bregman_alpha": 1.05, "bregman_lambda": 1e-6}]  # (its reach passes C: wide)
+    _step(torch.randn(1, 1024, generator=g), configs, counted=counted)
+    assert counted["launches"] == 7

@@ -7,7 +7,7 @@ device. The interpreter runs a program at a time and is slow, so the shapes are 
 or less) and each call decodes a batch mixing many families. Checked: the same k* and q (within
 1e-5) as the float64 torch step for every family, both window sizes, temperatures other than 1,
 logits and probabilities; ties at the support's boundary; grammar-masked (-inf) entries; rows
-that are not distributions left as they are; rows handed to the exact path; the launches and
+that are not distributions left as they are; rows past the window; the launches and
 syncs of one step (at most 6 and none for supports that fit the window, counted as the kernel
 launches plus the torch ops around them); Model Runner V2's slot mapping with reordered rows and
 draft rows.
@@ -198,11 +198,11 @@ def test_masked_entries_and_rows_that_are_not_distributions():
                                atol=1e-5)
 
 
-def test_rows_past_the_window_take_the_exact_path():
+def test_rows_past_the_window_decode_on_the_device():
     """Flat rows at a tiny lambda (k* in the hundreds), an alpha without a fixed-shape formula
-    (the EXACT family) and a fixed size wider than the widest window: the kernels flag them,
-    the step's one sync hands them to the torch exact path, and each row ends as the float64
-    step decodes it."""
+    (the EXACT family) and a fixed size wider than the widest window: the window flags them,
+    the search pass (or the wide pass, past its candidates) decodes them, none goes to the
+    host's exact path, and each row ends as the float64 step decodes it."""
     configs = [{"bregman_alpha": 1.5, "bregman_lambda": 1e-7},
                {"bregman_alpha": 3.0, "bregman_lambda": 1e-9},
                {"bregman_mode": "dual", "bregman_alpha": 1.5, "bregman_lambda": 1e-7},
@@ -213,26 +213,26 @@ def test_rows_past_the_window_take_the_exact_path():
     g = torch.Generator().manual_seed(6)
     scores = (torch.randn(len(configs), 2048, generator=g) * 0.3).to(DEVICE)
     got = check_against_float64(scores, configs)
-    assert (got.k[:4] > 64).all() and got.exact_rows == 4
+    assert (got.k[:4] > 64).all() and got.exact_rows == 0
 
 
-def test_an_exact_path_failure_leaves_the_window_answer(monkeypatch):
-    """If the exact path raises, the flagged rows keep the window's uncertified answer (a
-    distribution on the window), the error says how many, and the other rows are decoded."""
-    configs = [{"bregman_alpha": 1.5, "bregman_lambda": 1e-7}, NARROW["kl"]]
+def test_a_nan_from_the_wide_pass_is_never_written(monkeypatch):
+    """Should the wide pass's map come out NaN, the row is not written with it: a window
+    family's row keeps the window's uncertified answer (a distribution on the window), an
+    exact-family row stays as it came (k = 0), and the other rows are decoded."""
+    from bregman_vllm.kernels import wide
+
+    monkeypatch.setattr(wide, "solve", lambda *args: tl.full((), float("nan"), tl.float64))
+    configs = [{"bregman_alpha": 3.0, "bregman_lambda": 1e-9},
+               {"bregman_alpha": 10.0, "bregman_lambda": 1e-32}, NARROW["kl"]]
     g = torch.Generator().manual_seed(7)
-    scores = (torch.randn(2, 1024, generator=g) * torch.tensor([[0.3], [5.0]])).to(DEVICE)
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("simulated failure of the exact path")
-
-    monkeypatch.setattr(kernel_step, "decode_exact", broken)
+    scores = (torch.randn(3, 2048, generator=g) * torch.tensor([[0.3], [0.3], [5.0]])).to(DEVICE)
     out = scores.clone()
-    with pytest.raises(RuntimeError) as caught:
-        decode_step(out, plan_of(configs, 1024), logits=True, inplace=True, backend="triton")
-    assert caught.value.bregman_uncertified_rows == 1
-    assert torch.isfinite(out[0]).sum() == kernel_step.WIDE_WINDOW
-    torch.testing.assert_close(torch.logsumexp(out.double(), -1),
+    got = decode_step(out, plan_of(configs, 2048), logits=True, inplace=True, backend="triton")
+    assert 0 < int(got.k[0]) <= kernel_step.WIDE_WINDOW and int(got.k[1]) == 0
+    assert torch.isfinite(out[0]).sum() == got.k[0] and int(got.k[2]) > 0
+    assert torch.equal(out[1], scores[1])
+    torch.testing.assert_close(torch.logsumexp(out[::2].double(), -1),
                                torch.zeros(2, dtype=torch.float64), rtol=0, atol=1e-5)
 
 
@@ -294,8 +294,8 @@ def test_one_step_is_at_most_six_launches_and_no_sync(counted, name):
     """Model Runner V2's `apply()` with the kernels, each bounded family alone and all of them
     with a plain request in one batch: four kernel launches, no torch op, no host sync; the
     same for the public call (out of place) and the V1 interface. A batch whose supports may
-    pass the window (every family without a cap) adds the hand-off's read of the flagged rows
-    (one copy to the host: the one sync on a GPU)."""
+    pass the window (every family without a cap, each bounded within the search's candidates)
+    adds the search pass: six launches, still no sync."""
     configs = [*BOUNDED.values(), None] if name == "mixed" else \
         list(NARROW.values()) if name == "unbounded" else [BOUNDED[name]] * 2
     vocab = 512
@@ -421,10 +421,10 @@ def test_warm_up_runs_every_variant():
     interpreter the processor skips it, as nothing compiles there)."""
     before = kernel_step.LAUNCHES[0]
     kernels.warm_up(DEVICE, 512)
-    # (both windows: four kernels and the failure path's write; the search pass's select and
-    # search kernels at each of its widths)
+    # (both windows: four kernels; the search pass's select and search kernels at each of its
+    # widths; the wide pass's kernel)
     widths = {kernel_step.search_width(reach, 512)[0] for reach in kernel_step.SEARCH_WIDTHS}
-    assert kernel_step.LAUNCHES[0] - before == 2 * 5 + 2 * len(widths) == 16
+    assert kernel_step.LAUNCHES[0] - before == 2 * 4 + 2 * len(widths) + 1 == 15
 
 
 def _signatures(monkeypatch) -> set:

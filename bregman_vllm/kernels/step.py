@@ -1,5 +1,5 @@
-"""The decoding step as Triton kernels (four, or six with the search pass): no host plan, no
-host sync for rows whose k* the search's candidates hold.
+"""The decoding step as Triton kernels (four; six with the search pass; seven and a sort with
+the wide pass): no host plan, no host sync.
 
 The CUDA step of `bregman_vllm.core.step` (which stays the CPU path and the reference every
 kernel is tested against), shaped as vLLM's Model Runner V2 builds its own sampler
@@ -19,7 +19,7 @@ order:
    into a [n, K] scratch;
 3. `_decode_kernel` (a program per row): the row's family formulas (`formulas`): the support
    size (fixed, or the adaptive k* over the window) and log T_k* on the candidates, the values
-   to write (T log q, or q), and the hand-off flags: ``needs`` (the exact path must decode the
+   to write (T log q, or q), and the search's flags: ``needs`` (the search must decode the
    row: k* past the window, a near-tie, an unconverged solve, the ``EXACT`` family, a fixed
    size wider than the widest window) and ``low`` (a certified lower bound on its k*);
 4. the search pass (`_search_pass`, launched when the layout says some row may need it,
@@ -29,17 +29,22 @@ order:
    of the gaps, probes on the multiplier, exact gaps, the map of k*) in float64, or a fixed
    size's map, or the closed-form gaps over C; C is 64 or 256 for rows bounded there (their
    cap, or `families.support_bound`), else `SEARCH_WIDTH` (`search_width`);
-5. `_write_kernel` (row x vocabulary chunk): -inf (or 0) off the support, the values on it (the
-   window's, or the search's), in place on the logits (or into a new tensor: rows not decoded
-   copied); keep-all rows (lambda -> 0) shifted by T times their log-normalizer; rows not
-   decoded, rows that are not distributions (NaN, +inf, all -inf) and rows left to the host
+5. the wide pass (`_wide_pass`, launched when some row's reach, `rows.Row.reach`, passes the
+   search's widest candidates on rows longer than them): one `torch.sort` of the batch
+   (descending, ties by index, the order of `formulas.order_key`), then `wide.wide_kernel` (a
+   program per row; rows the search pass decided leave at once): the same search over the
+   whole sorted row in global memory, a block at a time, which decides every k*; its values
+   overwrite the sorted row's first k* entries;
+6. `_write_kernel` (row x vocabulary chunk): -inf (or 0) off the support, the values on it (the
+   window's, the search's or the wide pass's), in place on the logits (or into a new tensor:
+   rows not decoded copied); keep-all rows (lambda -> 0) shifted by T times their
+   log-normalizer; rows not decoded and rows that are not distributions (NaN, +inf, all -inf)
    untouched.
 
-Four launches when no row may need the search, six otherwise, and no sync unless some row's
-reach (`rows.Row.reach`: the candidates its k* may need) passes the search's candidates on
-rows longer than them: then the hand-off (`hand_off`) reads the still flagged rows' slots once
-(one sync) and runs the torch exact path (`core.step.decode_exact`) on those rows, grouped
-by family on the host, from their certified lower bounds.
+Four launches when no row may need the search, six when some row may, seven and the sort when
+some row may pass the search's candidates; no host sync in any case (no data-dependent shape
+either: the sort takes the whole batch). A row whose map comes out NaN is not written with it:
+it keeps the window's answer, or is left as it came.
 
 Specialization: each kernel is compiled per (candidate width K or C, logits or probabilities,
 in place), by `warm_up` at construction; row counts are grid sizes, the row -> slot mapping is
@@ -52,17 +57,15 @@ from __future__ import annotations
 import threading
 from typing import NamedTuple
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from ..core.candidates import BLOCK, UNBOUNDED, log_smallest, under_smallest
-from ..core.families import WIDE_WINDOW, WINDOW, Route
-from ..core.plan import Plan, exact_plan
+from ..core.candidates import BLOCK, log_smallest, under_smallest
+from ..core.families import WIDE_WINDOW, WINDOW
+from ..core.plan import Plan
 from ..core.result import StepResult
-from ..core.step import decode_exact
-from ..rows import FAMILIES, MODES, ROUTE_CODES, Layout, RowTable
+from ..rows import Layout, RowTable
 from .formulas import (
     ARGMAX,
     DUAL_THREE,
@@ -88,6 +91,7 @@ from .formulas import (
     top_keys,
 )
 from .search import fixed_map, search_row
+from .wide import WIDE_BLOCK, wide_kernel
 
 Tensor = torch.Tensor
 
@@ -119,8 +123,8 @@ class KernelStep(NamedTuple):
 
     out: Tensor  # [N, V] the decoded batch (``scores`` itself when in place)
     k: Tensor  # [N] support sizes (0 for rows not decoded)
-    exact_rows: int  # rows the window could not certify, handed to the exact path
-    family_rows: int  # rows of the EXACT family and fixed sizes past the window: exact path
+    exact_rows: int  # rows handed to the host's exact path (none: every row is the kernels')
+    family_rows: int  # of those, rows of the EXACT family (none)
 
 
 # ----------------------------------------------------------------------------- 1. read
@@ -277,7 +281,7 @@ def _decode_kernel(map_ptr, family_ptr, route_ptr, fixed_ptr, size_ptr, alpha_pt
                    shift_ptr, bound_ptr, LOGITS: tl.constexpr, K: tl.constexpr, W: tl.constexpr,
                    LOG_SMALLEST: tl.constexpr):
     """One row's support size and map (`step._support_and_map`), the values to write and the
-    hand-off flags. ``mode``: 0 leave the row, 1 write the window's answer, 2 keep all
+    search's flags. ``mode``: 0 leave the row, 1 write the window's answer, 2 keep all
     (lambda -> 0, `step._keep_all_start`: shift by T times the log-normalizer)."""
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(map_ptr + row).to(tl.int64)
@@ -359,19 +363,20 @@ def _decode_kernel(map_ptr, family_ptr, route_ptr, fixed_ptr, size_ptr, alpha_pt
 # ----------------------------------------------------------------------------- 4. search
 
 
-@triton.jit(do_not_specialize=["host"])
+@triton.jit(do_not_specialize=["past"])
 def _search_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
                    row_mode_ptr, temperature_ptr, x_ptr, log_x_ptr, deficit_ptr, needs_ptr,
-                   flagged_ptr, low_ptr, values_ptr, k_ptr, mode_ptr, host,
+                   flagged_ptr, low_ptr, values_ptr, k_ptr, mode_ptr, past,
                    LOGITS: tl.constexpr, C: tl.constexpr):
     """The search (`kernels.search`, `core.search.support_sizes`) for one row the decode kernel left
     ``needs`` (the others leave at once), on its C candidates: a fixed size's map, the
     closed-form gaps of `formulas.closed_search`, or the probes and exact gaps of
     `search.search_row`; the values to write (``mode`` 3). A row it cannot decide on its
-    candidates (k* past them while the row could grow past them) keeps ``needs`` for the host
-    (``host`` 1: its certified lower bound in ``low``); with ``host`` 0 (the layout knows no
-    row can need that) it is written with the map of its lower bound. A map with a NaN is not
-    written (the row stays flagged: the host's, or the window's answer, or left as it came)."""
+    candidates (k* past them while the row could grow past them) keeps ``needs`` for the wide
+    pass (``past`` 1: its certified lower bound in ``low``); with ``past`` 0 (the layout knows
+    no row can need that) it is written with the map of its lower bound. A map with a NaN is
+    not written (the row stays flagged: the wide pass's, or the window's answer, or left as it
+    came)."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(needs_ptr + row) == 0:
         return
@@ -407,12 +412,13 @@ def _search_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
         limit = tl.maximum(tl.minimum(known, size), 1)
         k, log_q, done = search_row(dual, closed, alpha, lam, x, log_x, deficit,
                                     tl.load(low_ptr + row), limit, positions, C)
-        if ~done & (host == 0):
+        if ~done & (past == 0):
             k = tl.minimum(k, C)
             log_q = fixed_map(dual, closed, alpha, log_x, deficit, k, positions, C)
-    # (a NaN is never written: the row stays flagged, for the host or as the window left it)
+    # (a NaN is never written: the row stays flagged, for the wide pass or as the window left
+    # it)
     bad = tl.max((log_q != log_q).to(tl.int32), axis=0) > 0
-    if (done | (host == 0)) & ~bad:
+    if (done | (past == 0)) & ~bad:
         if LOGITS:
             tl.store(values_ptr + where, log_q * temperature)
         else:
@@ -428,25 +434,23 @@ def _search_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
 # ----------------------------------------------------------------------------- 5. write
 
 
-@triton.jit(do_not_specialize=["stride", "out_stride", "width", "skip_needs"])
+@triton.jit(do_not_specialize=["stride", "out_stride", "width", "wide_stride"])
 def _write_kernel(scores_ptr, out_ptr, stride, out_stride, vocab, index_ptr, values_ptr,
-                  k_ptr, mode_ptr, needs_ptr, shift_ptr, bound_ptr, found_ptr, found_values_ptr,
-                  width, skip_needs, IN_PLACE: tl.constexpr, LOGITS: tl.constexpr,
-                  K: tl.constexpr, TILE: tl.constexpr):
+                  k_ptr, mode_ptr, shift_ptr, bound_ptr, found_ptr, found_values_ptr, width,
+                  wide_ptr, wide_values_ptr, wide_stride, IN_PLACE: tl.constexpr,
+                  LOGITS: tl.constexpr, K: tl.constexpr, TILE: tl.constexpr):
     """One row's chunk of the output (`write.write_support`, `step._finish`): ``mode`` 1 the
-    window's values (K candidates), 3 the search's (``width`` candidates, ``found_*``), 2 the
-    keep-all shift."""
+    window's values (K candidates), 3 the search's (``width`` candidates, ``found_*``), 4 the
+    wide pass's (the first k of the sorted row, ``wide_*``), 2 the keep-all shift."""
     row = tl.program_id(0).to(tl.int64)
     mode = tl.load(mode_ptr + row).to(tl.int32)
-    if skip_needs != 0:  # (rows left to the host: untouched)
-        mode = tl.where(tl.load(needs_ptr + row) != 0, 0, mode)
     per = tl.cdiv(vocab, tl.num_programs(1))
     first = tl.program_id(1) * per
     last = tl.minimum(first + per, vocab)
     lanes = tl.arange(0, TILE)
     source = scores_ptr + row * stride
     target = out_ptr + row * out_stride
-    if (mode == 1) | (mode == 3):
+    if (mode == 1) | (mode == 3) | (mode == 4):
         fill = float("-inf") if LOGITS else 0.0
         for start in range(first, last, TILE):
             offsets = start + lanes
@@ -457,12 +461,20 @@ def _write_kernel(scores_ptr, out_ptr, stride, out_stride, vocab, index_ptr, val
             index = tl.load(index_ptr + row * K + candidates)
             values = tl.load(values_ptr + row * K + candidates)
             tl.store(target + index, values, mask=(index >= first) & (index < last))
-        else:
+        elif mode == 3:
             for start in range(0, width, SEARCH_TILE):
                 candidates = start + tl.arange(0, SEARCH_TILE)
                 index = tl.load(found_ptr + row * width + candidates)
                 values = tl.load(found_values_ptr + row * width + candidates)
                 tl.store(target + index, values, mask=(index >= first) & (index < last))
+        else:
+            support = tl.load(k_ptr + row)
+            for done in range(0, support, SEARCH_TILE):
+                candidates = done + tl.arange(0, SEARCH_TILE)
+                on = candidates < support
+                index = tl.load(wide_ptr + row * wide_stride + candidates, mask=on, other=-1)
+                values = tl.load(wide_values_ptr + row * wide_stride + candidates, mask=on)
+                tl.store(target + index, values, mask=on & (index >= first) & (index < last))
     elif mode == 2:
         shift = tl.load(shift_ptr + row).to(tl.float32)
         bound = tl.load(bound_ptr + row)
@@ -512,7 +524,7 @@ class _Workspace(NamedTuple):
     values: Tensor
     mode: Tensor
     needs: Tensor
-    flagged: Tensor  # [n] int32: the slot of a row the exact path must decode, else -1
+    flagged: Tensor  # [n] int32: the slot of a row the search must decode, else -1
     low: Tensor
     shift: Tensor
     bound: Tensor
@@ -529,7 +541,7 @@ def _workspace(n: int, blocks: int, width: int, dtype: torch.dtype, device: torc
     grown by doubling to the largest batch seen, and its first n rows as cached views (the
     batch size changes nearly every step in an engine; the stream orders one step's use after
     the last's). ``search``: the search pass's (its candidates, index and values; the window's
-    stay as the decode kernel left them, for the hand-off's failure path)."""
+    stay as the decode kernel left them, the answer of a row no search could write)."""
     key = (blocks, width, dtype, device, threading.get_ident(), search)
     rows = _ROWS_OF.get((key, n))
     if rows is not None:
@@ -578,13 +590,9 @@ def decode(scores: Tensor, table: RowTable, layout: Layout, *, logits: bool,
     """Decode the rows of ``scores`` ([N, V], float32 / float16 / bfloat16) whose slot
     (``mapping[row]``, or the row itself) the table decodes; other rows are left as they are
     (k = 0). ``layout``: what the step is specialized on (`RowTable.layout` of the step's
-    slots). Four launches; with ``layout.sync`` six (the search pass, `_search_pass`), and one
-    sync and the host's exact path (`hand_off`) only where some row's reach passes the
-    search's candidates (`search_width`).
-
-    Exceptions propagate; with ``inplace``, one raised by the exact path carries
-    ``bregman_uncertified_rows`` (those rows keep the window's uncertified answer), as the
-    torch step's (`core.step.decode_step`)."""
+    slots). Four launches; with ``layout.sync`` six (the search pass, `_search_pass`), and
+    seven and one sort where some row's reach passes the search's candidates (`search_width`:
+    the wide pass, `_wide_pass`). No host sync."""
     n, vocab = scores.shape
     device = scores.device
     width = layout.width
@@ -608,25 +616,22 @@ def decode(scores: Tensor, table: RowTable, layout: Layout, *, logits: bool,
             space.valid, space.values, k, space.mode, space.needs, space.flagged, space.low,
             space.shift, space.bound, K=width, W=WINDOW, LOG_SMALLEST=log_smallest(scores.dtype),
             LOGITS=logits, num_warps=8)
-    found, host = None, False
+    found, wide = None, None
     if layout.sync:  # some row may need the search: its pass, rows without it leave at once
-        candidates, host = search_width(layout.reach, vocab)
+        candidates, past = search_width(layout.reach, vocab)
         found = _workspace(n, blocks, candidates, scores.dtype, device, search=True)
-        _search_pass(scores, space, found, k, mapping, columns, candidates, logits, host)
-    # (rows still flagged are the host's; without a hand-off none can be, and one that still
-    # were would get the window's answer rather than be left as it came)
-    _write(scores, out, k, space, width, logits, inplace, skip_needs=host, found=found)
-    if not host:
-        return KernelStep(out, k, 0, 0)
-    uncertified, family = hand_off(out, scores, k, space, table, mapping, width,
-                                   logits=logits, scaled=layout.scaled, inplace=inplace)
-    return KernelStep(out, k, uncertified, family)
+        _search_pass(scores, space, found, k, mapping, columns, candidates, logits, past)
+        if past:  # some row's k* may pass the candidates: the wide pass on whole sorted rows
+            wide = _wide_pass(scores, space, k, mapping, columns, logits)
+    # (a row still flagged gets the window's answer, or is left as it came)
+    _write(scores, out, k, space, width, logits, inplace, found=found, wide=wide)
+    return KernelStep(out, k, 0, 0)
 
 
 def search_width(reach: int, vocab: int) -> tuple[int, bool]:
     """The search pass's candidates for rows that need at most ``reach`` of them (`Layout.reach`,
     `rows.Row.reach`): the narrowest of `SEARCH_WIDTHS` that holds them, and whether some row
-    may still need the host's exact path (reach past the widest, on rows longer than it)."""
+    may need the wide pass (reach past the widest, on rows longer than it)."""
     # (no more than the power of two at or above the row: every entry is then a candidate, and
     # the select kernel's chunks of blocks hold at least that many)
     row = triton.next_power_of_2(triton.cdiv(vocab, BLOCK)) * BLOCK
@@ -654,79 +659,76 @@ def _select(scores: Tensor, space: _Workspace, into: _Workspace, mapping: Tensor
 
 def _search_pass(scores: Tensor, space: _Workspace, found: _Workspace, k: Tensor,
                  mapping: Tensor, columns: dict[str, Tensor], width: int, logits: bool,
-                 host: bool) -> None:
+                 past: bool) -> None:
     """The search's two launches: its candidates for the rows left ``needs`` (`_select`), then
-    `_search_kernel` on them."""
+    `_search_kernel` on them (``past``: the wide pass follows, for rows past them)."""
     n = scores.shape[0]
     _select(scores, space, found, mapping, columns, width, logits, gate=True)
     _launch(_search_kernel, (n,), mapping, columns["family"], columns["fixed"],
             columns["size"], columns["alpha"], columns["lam"], columns["mode"],
             columns["temperature"], found.x, found.log_x, found.deficit, space.needs,
-            space.flagged, space.low, found.values, k, space.mode, int(host),
+            space.flagged, space.low, found.values, k, space.mode, int(past),
             LOGITS=logits, C=width, num_warps=8)
 
 
 def _write(scores: Tensor, out: Tensor, k: Tensor, space: _Workspace, width: int,
-           logits: bool, inplace: bool, skip_needs: bool, mode: Tensor | None = None,
-           found: _Workspace | None = None) -> None:
+           logits: bool, inplace: bool, found: _Workspace | None = None,
+           wide: _Wide | None = None) -> None:
     n, vocab = scores.shape
     splits = max(1, min(triton.cdiv(vocab, WRITE_CHUNK), triton.cdiv(PROGRAMS, n)))
     searched = space if found is None else found
+    sorted_ = (space.index, space.values, 0) if wide is None else \
+        (wide.index, wide.values, wide.values.stride(0))
     _launch(_write_kernel, (n, splits), scores, out, scores.stride(0), out.stride(0), vocab,
-            space.index, space.values, k, space.mode if mode is None else mode, space.needs,
-            space.shift, space.bound, searched.index, searched.values,
-            0 if found is None else found.x.shape[1], int(skip_needs), IN_PLACE=inplace,
-            LOGITS=logits, K=width, TILE=1024, num_warps=4)
+            space.index, space.values, k, space.mode, space.shift, space.bound,
+            searched.index, searched.values, 0 if found is None else found.x.shape[1],
+            *sorted_, IN_PLACE=inplace, LOGITS=logits, K=width, TILE=1024, num_warps=4)
 
 
-def hand_off(out: Tensor, scores: Tensor, k: Tensor, space: _Workspace, table: RowTable,
-             mapping: Tensor, width: int, *, logits: bool, scaled: bool,
-             inplace: bool) -> tuple[int, int]:
-    """The rows the kernels flagged (``needs``) through the torch exact path: the step's one
-    sync reads which rows and their slots, then on the host they are grouped by family and
-    decoded by `decode_exact` (`core.step`) from the scores (still as given: the write kernel left
-    them), ``low`` giving the certified lower bounds on k*. Returns (rows the window could not
-    certify, rows only the search decodes: `families.route`)."""
-    device = scores.device
-    flagged = space.flagged.cpu().numpy()  # the one sync
-    rows = np.flatnonzero(flagged >= 0)
-    if rows.size == 0:
-        return 0, 0
-    slots_of = mapping.long()
-    slots = flagged[rows]
-    host = table.host
-    families = host["family"][slots]
-    fixed = host["fixed"][slots]
-    modes = host["mode"][slots]
-    searched = host["route"][slots] == ROUTE_CODES[Route.SEARCH]
-    columns = table.columns
-    alpha = columns["alpha"].index_select(0, slots_of)
-    lam = columns["lam"].index_select(0, slots_of)
-    size = columns["size"].index_select(0, slots_of)
-    is_fixed = columns["fixed"].index_select(0, slots_of) != 0
-    fixed_k = torch.where(is_fixed, size, 0)
-    cap = torch.where(is_fixed | (size >= UNBOUNDED), 0, size)
-    scale = columns["scale"].index_select(0, slots_of) if scaled else None
-    done = torch.zeros(scores.shape[0], dtype=torch.bool, device=device)
-    try:
-        for key in np.unique(families * 4 + fixed * 2 + (modes - 1)):
-            members = rows[(families * 4 + fixed * 2 + (modes - 1)) == key]
-            family = FAMILIES[int(key) // 4]
-            plan = exact_plan(MODES[int(key) % 2], alpha, lam, fixed_k, cap, None,
-                                    family, None)
-            decode_exact(out, k, scores, plan, logits=logits, scale=scale,
-                               rows=torch.from_numpy(members).to(device), low=space.low,
-                               done=done)
-    except Exception as error:
-        # The rows left keep the window's (uncertified) answer, as the torch step's.
-        left = space.needs & ~done
-        _write(scores, out, k, space, width, logits, inplace, skip_needs=False,
-               mode=torch.where(left, space.mode, 0))
-        if inplace:
-            error.bregman_uncertified_rows = int(left.sum())  # type: ignore[attr-defined]
-        raise
-    family_rows = int(searched.sum())
-    return int(rows.size) - family_rows, family_rows
+class _Wide(NamedTuple):
+    """The wide pass's scratch: the sorted rows (their values overwritten with the values to
+    write on the support), their positions, the suffix sums of each row's blocks."""
+
+    values: Tensor  # [N, V] the scores' dtype
+    index: Tensor  # [N, V] int64
+    tails: Tensor  # [N, blocks + 1] float64
+
+
+_WIDE: dict[tuple, _Wide] = {}
+
+
+def _wide_workspace(n: int, vocab: int, dtype: torch.dtype, device: torch.device) -> _Wide:
+    """`_Wide` buffers per vocabulary, dtype, device and thread, grown by doubling to the
+    largest batch seen (as `_workspace`)."""
+    key = (vocab, dtype, device, threading.get_ident())
+    space = _WIDE.get(key)
+    if space is None or space.values.shape[0] < n:
+        size = triton.next_power_of_2(max(n, 1))
+        blocks = triton.cdiv(vocab, WIDE_BLOCK)
+        space = _Wide(torch.empty((size, vocab), dtype=dtype, device=device),
+                      torch.empty((size, vocab), dtype=torch.long, device=device),
+                      torch.empty((size, blocks + 1), dtype=torch.float64, device=device))
+        if key not in _WIDE and len(_WIDE) >= 4:
+            _WIDE.pop(next(iter(_WIDE)))
+        _WIDE[key] = space
+    return _Wide(*(buffer[:n] for buffer in space))
+
+
+def _wide_pass(scores: Tensor, space: _Workspace, k: Tensor, mapping: Tensor,
+               columns: dict[str, Tensor], logits: bool) -> _Wide:
+    """Rows the search pass left ``needs``, on their whole rows: every row sorted (one
+    `torch.sort` of the batch, descending, ties by index as `formulas.order_key`), then
+    `wide.wide_kernel` (rows not flagged leave at once)."""
+    n, vocab = scores.shape
+    wide = _wide_workspace(n, vocab, scores.dtype, scores.device)
+    torch.sort(scores, dim=1, descending=True, stable=True, out=(wide.values, wide.index))
+    _launch(wide_kernel, (n,), wide.values, wide.values.stride(0), vocab, mapping,
+            columns["family"], columns["fixed"], columns["size"], columns["alpha"],
+            columns["lam"], columns["mode"], columns["temperature"], columns["scale"],
+            space.total, space.needs, space.flagged, space.low, wide.tails,
+            wide.tails.stride(0), k, space.mode, LOGITS=logits,
+            SMALLEST=under_smallest(scores.dtype), B=WIDE_BLOCK, num_warps=8)
+    return wide
 
 
 # ----------------------------------------------------------------------------- plans
@@ -779,9 +781,8 @@ def usable(scores: Tensor) -> bool:
 def warm_up(device: torch.device | str, vocab: int, *, dtype: torch.dtype = torch.float32
             ) -> float:
     """Compile every kernel a processor's steps run (both windows; the search pass at each of
-    its widths; the write of the failure path too) on two dummy rows of ``vocab`` logits, so
-    that no decoding step compiles (on the interpreter: runs them once). Returns the seconds
-    it took."""
+    its widths; the wide pass) on two dummy rows of ``vocab`` logits, so that no decoding step
+    compiles (on the interpreter: runs them once). Returns the seconds it took."""
     import time
 
     from ..params import BregmanParams
@@ -798,12 +799,12 @@ def warm_up(device: torch.device | str, vocab: int, *, dtype: torch.dtype = torc
         scores = (torch.randn(2, vocab, generator=g) * 4).to(device, dtype)
         step = decode(scores, table, Layout(width, False, True), logits=True, inplace=True)
         space = _workspace(2, triton.cdiv(vocab, BLOCK), width, dtype, device)
-        _write(scores, scores, step.k, space, width, True, True, skip_needs=False)
     # (the search's variants: its rows here leave at once, as none needs it)
     for candidates in sorted({search_width(reach, vocab)[0] for reach in SEARCH_WIDTHS}):
         found = _workspace(2, triton.cdiv(vocab, BLOCK), candidates, dtype, device, search=True)
         _search_pass(scores, space, found, step.k, _identity(2, device), table.columns,
                      candidates, True, False)
+    _wide_pass(scores, space, step.k, _identity(2, device), table.columns, True)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start
@@ -814,7 +815,6 @@ __all__ = [
     "KernelStep",
     "decode",
     "decode_plan",
-    "hand_off",
     "usable",
     "warm_up",
 ]

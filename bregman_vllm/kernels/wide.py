@@ -1,0 +1,839 @@
+"""Rows past the search's candidates, on the device: the search of `kernels.search` (the torch
+path's `core.search`, its reference) over a whole row sorted in global memory, a block of
+`WIDE_BLOCK` entries at a time (the search kernel holds its candidates in registers, at most
+`kernels.step.SEARCH_WIDTH`).
+
+Paper: arXiv 2505.19371. cost(k) (eq. (6)) is discretely convex (Theorem 3.3): k* = min {k :
+G(k) <= lambda}, ties to the smaller support (Algorithm 2); the maps are eq. (4) (primal,
+Definition 4.1) and eq. (5) (dual, Theorem A.1, Algorithm 1), one scalar per size (the water
+level, delta = log q_1 - log p_1, or log nu: `kernels.search`'s kinds 1, 2 and 0), the closed
+forms Proposition 4.1 and eq. (1).
+
+A row is the sorted scores of one request (`torch.sort`, descending, ties by index: the order
+of `formulas.order_key`) read through its log-normalizer: x, log x and the deficit R_(j+1) =
+sum_(i>j) x_i (from a suffix sum per block, `prepare`) are computed where a block is loaded
+(`entries`), never stored. Each sum over a support is a loop over its blocks; each value at
+one position loads its block (`deficit_at`, `point`).
+
+Per row (`decode_row`): a fixed size's map (`closed_map_row` for the closed forms, else
+`solve`); the closed-form gaps of KL, alpha = 3/2 and 2 in one pass (`closed_search`); else the
+floor of the gaps, probes on the scalar (`probes`: the counts n and c that bracket k* by weak
+duality, a straddling Newton step on D(s) = log w_(m+1)(s) - log lambda, Illinois regula falsi
+otherwise), exact gaps (`settle`: the maps of consecutive sizes by safeguarded Newton, their
+weak-duality bounds first, the log-space gap formulas for the rest), and the map of k*. The
+whole row being candidates, every k* is decided here.
+
+Differences from `kernels.search`, none of which changes what is certified: the dual's inner
+roots are solved from their shaped start at every scalar (no warm start across blocks), every
+probe solves them (no steering probes), and the water-filling start of the primal's level is
+not taken (a start, not a bound).
+
+Float64 throughout (`formulas`' exp64 / log64).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .formulas import (
+    ARGMAX,
+    DUAL_THREE,
+    DUAL_THREE_HALVES,
+    INTERPRET,
+    KL,
+    SQUARE,
+    THREE_HALVES,
+    WATER,
+    at,
+    closed_gap_family,
+    device,
+    exp64,
+    expm1_64,
+    log1p64,
+    log64,
+    logaddexp64,
+    logsumexp64,
+    shifted,
+    sqrt64,
+)
+from .search import (
+    MAX_ITERATIONS,
+    NEWTON_TOLERANCE,
+    PROBES,
+    SETTLE,
+    STRADDLE,
+    SUM_ROUNDING,
+    TERM_ROUNDING,
+    alpha_kernel,
+    closed_values,
+    inner_solve,
+    inner_upper,
+    isfinite64,
+    level_values,
+    log_entry_term,
+    log_expm1_64,
+    logsubexp64,
+    newton_update,
+    shaped_inner,
+    term_slope,
+    top_values,
+    values_at,
+)
+
+# (Triton types every name, ``_`` too: below, each value a function leaves unused gets a name of
+# its own, so that no name changes type inside a loop)
+
+
+def called(fn):
+    """A device function compiled once and called from each call site (Triton inlines every
+    other: this kernel would compile each map several times over); under the interpreter the
+    Python function itself, as `formulas.device`."""
+    return fn if INTERPRET else triton.jit(noinline=True)(fn)
+
+
+#: Entries per block of a wide row (under the interpreter small, so that the tests' rows of a
+#: few thousand entries take several blocks).
+WIDE_BLOCK = 256 if INTERPRET else 1024
+
+
+# ----------------------------------------------------------------------------- a row's entries
+
+
+@device
+def log_x_of(v, scale, total, LOGITS: tl.constexpr):
+    """log x of float64 scores (`_select_kernel`'s: normalized by the row's log-normalizer, or
+    its total mass)."""
+    if LOGITS:  # noqa: SIM108 (a compile-time branch)
+        out = v * scale - total
+    else:
+        out = log64(tl.where(v > 0, v, 0.0) / total)
+    return out
+
+
+@device
+def x_of(v, log_x, total, LOGITS: tl.constexpr, SMALLEST: tl.constexpr):
+    """x of the same scores (0 below the score dtype's smallest value)."""
+    if LOGITS:
+        x = exp64(log_x)
+        x = tl.where(x > SMALLEST, x, 0.0)
+    else:
+        x = tl.where(v > 0, v, 0.0) / total
+    return x
+
+
+@device
+def block_x(src, start, vocab, scale, total, LOGITS: tl.constexpr, SMALLEST: tl.constexpr,
+            B: tl.constexpr):
+    """x and log x of the block at ``start`` and the positions; past the row x = 0, log x =
+    -inf."""
+    pos = start + tl.arange(0, B)
+    v = tl.load(src + pos, mask=pos < vocab, other=float("-inf")).to(tl.float32).to(tl.float64)
+    log_x = log_x_of(v, scale, total, LOGITS)
+    return x_of(v, log_x, total, LOGITS, SMALLEST), log_x, pos
+
+
+@device
+def entries(src, tails, start, vocab, scale, total, LOGITS: tl.constexpr,
+            SMALLEST: tl.constexpr, B: tl.constexpr):
+    """`block_x` and the deficit R_(j+1) = sum_(i>j) x_i (positive terms: the blocks after
+    this one from ``tails``, this block's from its own suffix sum)."""
+    x, log_x, pos = block_x(src, start, vocab, scale, total, LOGITS, SMALLEST, B)
+    local = tl.arange(0, B)
+    after = tl.load(tails + start // B + 1)
+    deficit = after + tl.cumsum(shifted(x, local, B), 0, reverse=True)
+    return x, log_x, deficit, pos
+
+
+@device
+def block_log_x(src, start, vocab, scale, total, LOGITS: tl.constexpr, B: tl.constexpr):
+    """log x of the block at ``start`` and the positions."""
+    pos = start + tl.arange(0, B)
+    v = tl.load(src + pos, mask=pos < vocab, other=float("-inf")).to(tl.float32).to(tl.float64)
+    return log_x_of(v, scale, total, LOGITS), pos
+
+
+@device
+def log_x_at(src, j, scale, total, LOGITS: tl.constexpr):
+    """log x_j."""
+    return log_x_of(tl.load(src + j).to(tl.float32).to(tl.float64), scale, total, LOGITS)
+
+
+@device
+def x_at(src, j, vocab, scale, total, LOGITS: tl.constexpr, SMALLEST: tl.constexpr):
+    """x_j (0 past the row)."""
+    v = tl.load(src + j, mask=j < vocab, other=float("-inf")).to(tl.float32).to(tl.float64)
+    return x_of(v, log_x_of(v, scale, total, LOGITS), total, LOGITS, SMALLEST)
+
+
+@device
+def deficit_at(src, tails, j, vocab, scale, total, LOGITS: tl.constexpr,
+               SMALLEST: tl.constexpr, B: tl.constexpr):
+    """R_(j+1) at one position (its block's suffix sum)."""
+    start = (j // B) * B
+    x, _log_x, pos = block_x(src, start, vocab, scale, total, LOGITS, SMALLEST, B)
+    beyond = tl.load(tails + start // B + 1)
+    return beyond + tl.sum(tl.where(pos > j, x, 0.0), axis=0)
+
+
+@device
+def prepare(src, tails, vocab, scale, total, LOGITS: tl.constexpr, SMALLEST: tl.constexpr,
+            B: tl.constexpr):
+    """The suffix sum of x after each block into ``tails`` (tails[b] = sum over blocks >= b)
+    and the number of positive entries (a prefix: the row is sorted)."""
+    blocks = tl.cdiv(vocab, B)
+    tl.store(tails + blocks, 0.0)
+    acc = tl.full((), 0.0, tl.float64)
+    positive = tl.full((), 0, tl.int64)
+    for i in range(0, blocks):
+        b = blocks - 1 - i
+        x, _log_x, _pos = block_x(src, b * B, vocab, scale, total, LOGITS, SMALLEST, B)
+        acc += tl.sum(x, axis=0)
+        positive += tl.sum((x > 0).to(tl.int64), axis=0)
+        tl.store(tails + b, acc)
+    tl.debug_barrier()  # (the sums before any block's deficit reads them)
+    return positive
+
+
+# ----------------------------------------------------------------------------- values at a scalar
+
+
+@device
+def map_values(kind, closed, lp, finite, beta, s, top):
+    """Every entry's value at the map's scalar s (`maps.solved`'s: the level, delta itself
+    (kind 2), or log nu with the inner roots solved; s = -inf: no deficit, q = p): (log q, d log
+    q / ds, log(q / p))."""
+    if s == float("-inf"):
+        log_q = tl.where(finite, lp, float("-inf"))
+        rate = tl.zeros_like(lp)
+        lift = tl.where(finite, 0.0, float("-inf")).to(tl.float64)
+    elif kind == 1:
+        log_q, rate, lift = level_values(lp, finite, beta, s)
+    elif kind == 2:
+        log_q, rate, lift = top_values(lp, finite, beta, s, top)
+    elif closed != 0:
+        log_q, rate, lift = closed_values(closed, lp, finite, beta, s)
+        log_q = tl.where(finite, log_q, s / beta)  # (`dual_map`'s zero entries)
+    else:
+        target = s - beta * lp
+        start = tl.minimum(shaped_inner(beta, target), inner_upper(beta, target))
+        log_q, rate, lift = values_at(lp, finite, beta, s, inner_solve(beta, target, start))
+    return log_q, rate, lift
+
+
+@device
+def probe_values(kind, closed, lp, finite, beta, s, top):
+    """`map_values` at a probe's scalar (kind 2: log delta, the rate per unit of it)."""
+    if kind == 2:
+        delta = exp64(s)
+        log_q, rate, lift = map_values(kind, closed, lp, finite, beta, delta, top)
+        rate = rate * delta
+    else:
+        log_q, rate, lift = map_values(kind, closed, lp, finite, beta, s, top)
+    return log_q, rate, lift
+
+
+# ----------------------------------------------------------------------------- maps
+
+
+@called
+def bracket(kind, src, tails, vocab, scale, total, beta, k, top, LOGITS: tl.constexpr,
+            SMALLEST: tl.constexpr, B: tl.constexpr):
+    """The bracket [low, high] of the scalar of size k and a first value inside it
+    (`level_map`'s, `top_map`'s, `outer_bracket`'s), their sums over the support's blocks;
+    and R_k."""
+    deficit = deficit_at(src, tails, k - 1, vocab, scale, total, LOGITS, SMALLEST, B)
+    log_r = log64(deficit)
+    log_ratio = log_r - log64(k.to(tl.float64))
+    log_s = tl.full((), float("-inf"), tl.float64)
+    power = log_s
+    shifted_power = log_s
+    has_zero = k < 0  # (False)
+    for first in range(0, k, B):
+        log_x, pos = block_log_x(src, first, vocab, scale, total, LOGITS, B)
+        mask = pos < k
+        finite = isfinite64(log_x)
+        lp = tl.where(finite, log_x, 0.0)
+        if kind == 0:
+            power = logaddexp64(power, logsumexp64((1.0 - beta) * lp, finite & mask))
+            shifted_power = logaddexp64(shifted_power, logsumexp64(
+                (1.0 - beta) * logaddexp64(lp, log_ratio), mask))
+            has_zero = has_zero | (tl.max((mask & ~finite).to(tl.int32), axis=0) > 0)
+        elif deficit >= 0.5:
+            log_s = logaddexp64(log_s, logsumexp64(lp, finite & mask))
+    log_s = tl.where(deficit < 0.5, log1p64(-tl.minimum(deficit, 0.5)), log_s)
+    if kind == 1:  # `level_map`
+        low = tl.where(beta >= 1, log_ratio, (log64(beta) + log_ratio) / beta)
+        high = top + log_expm1_64(-beta * top) / beta
+        first_s = top + log_expm1_64(-beta * log_s) / beta
+        first_s = tl.where(beta < 1, tl.minimum(first_s, log_ratio), first_s)
+        first_s = tl.minimum(first_s, high)
+        low = tl.where(k == 1, high, tl.minimum(low, first_s))
+    elif kind == 2:  # `top_map`
+        high = tl.maximum(-top, 0.0)
+        low = tl.where(k == 1, high, 0.0)
+        first_s = tl.minimum(tl.maximum(-log_s, 0.0), high)
+    else:  # `outer_bracket`
+        below_two = beta < 1.0
+        low = tl.where(below_two, log_ratio, beta * log_ratio)
+        low = tl.where(below_two | has_zero, low, tl.maximum(low, log_r - power))
+        high = tl.where(below_two, log_r - power, log_ratio)
+        low, high = tl.minimum(low, high), tl.maximum(low, high)
+        high = tl.minimum(high, log1p64(-exp64(top)))
+        low = tl.where(k == 1, high, tl.minimum(low, high))
+        first_s = log_r - shifted_power
+        first_s = tl.where((first_s > low) & (first_s < high), first_s, high)
+    return low, high, first_s, deficit
+
+
+@called
+def solve(kind, closed, src, tails, vocab, scale, total, beta, k, start, top,
+          LOGITS: tl.constexpr, SMALLEST: tl.constexpr, B: tl.constexpr):
+    """`search.solve_map`'s scalar of the support of size k (`level_map`, `top_map`,
+    `dual_map`) by safeguarded Newton on the mass the map adds to the support minus R_k,
+    each sum over the support's blocks, from ``start`` where it lies inside the bracket;
+    -inf where R_k = 0 (the identity)."""
+    low, high, first_s, deficit = bracket(kind, src, tails, vocab, scale, total, beta, k, top,
+                                          LOGITS, SMALLEST, B)
+    s = tl.full((), float("-inf"), tl.float64)
+    if deficit > 0:
+        s = tl.where((start > low) & (start < high), start, first_s)
+        closed_bracket = high <= low
+        previous = tl.full((), float("inf"), tl.float64)
+        done = closed_bracket & (k < 0)
+        taken = tl.full((), 0, tl.int32)
+        while (taken < MAX_ITERATIONS) & ~done:
+            value = -deficit
+            slope = tl.full((), 0.0, tl.float64)
+            for first in range(0, k, B):
+                log_x, pos = block_log_x(src, first, vocab, scale, total, LOGITS, B)
+                mask = pos < k
+                finite = isfinite64(log_x)
+                lp = tl.where(finite, log_x, 0.0)
+                log_q, rate, lift = map_values(kind, closed, lp, finite, beta, s, top)
+                q = tl.where(mask, exp64(log_q), 0.0)
+                added = tl.where(finite, exp64(lp) * expm1_64(lift), q)
+                value += tl.sum(tl.where(mask, added, 0.0), axis=0)
+                slope += tl.sum(tl.where(mask, q * rate, 0.0), axis=0)
+            s, done, low, high = newton_update(s, value, slope, NEWTON_TOLERANCE * deficit,
+                                               previous, low, high, closed_bracket)
+            previous = value
+            taken += 1
+    return s
+
+
+@called
+def normalizer(kind, closed, src, vocab, scale, total, beta, k, s, top,
+               LOGITS: tl.constexpr, SMALLEST: tl.constexpr, B: tl.constexpr):
+    """log sum_(j<k) q_j at the scalar s (`primal.normalized`'s), and whether a value is NaN."""
+    norm = tl.full((), float("-inf"), tl.float64)
+    bad = k < 0
+    for first in range(0, k, B):
+        log_x, pos = block_log_x(src, first, vocab, scale, total, LOGITS, B)
+        finite = isfinite64(log_x)
+        lp = tl.where(finite, log_x, 0.0)
+        log_q, _rate, _lift = map_values(kind, closed, lp, finite, beta, s, top)
+        mask = pos < k
+        norm = logaddexp64(norm, logsumexp64(log_q, mask))
+        bad = bad | (tl.max((mask & (log_q != log_q)).to(tl.int32), axis=0) > 0)
+    return norm, bad | (norm != norm)
+
+
+@called
+def point(kind, closed, dual, src, vocab, scale, total, beta, alpha, s, top, j,
+          LOGITS: tl.constexpr, B: tl.constexpr):
+    """At position j and the map's scalar s: (log q_j, log(q_j / p_j), its rate, whether x_j
+    is finite, log w_j)."""
+    log_x, pos = block_log_x(src, (j // B) * B, vocab, scale, total, LOGITS, B)
+    finite = isfinite64(log_x)
+    lp = tl.where(finite, log_x, 0.0)
+    log_q, rate, lift = map_values(kind, closed, lp, finite, beta, s, top)
+    log_w = log_entry_term(dual, log_x, log_q, alpha)
+    return (at(log_q, pos, j), at(lift, pos, j), at(rate, pos, j),
+            at(finite.to(tl.int32), pos, j) != 0, at(log_w, pos, j))
+
+
+@called
+def term_at(kind, closed, dual, src, vocab, scale, total, beta, alpha, s, top, j,
+            LOGITS: tl.constexpr, B: tl.constexpr):
+    """log w_j at the map's scalar s (`point`'s)."""
+    _log_q, _lift, _rate, _finite, log_w = point(kind, closed, dual, src, vocab, scale, total,
+                                                 beta, alpha, s, top, j, LOGITS, B)
+    return log_w
+
+
+# ----------------------------------------------------------------------------- probes
+
+
+@called
+def probe(dual, kind, closed, src, tails, vocab, scale, total, alpha, log_lam, s, columns,
+          top, LOGITS: tl.constexpr, SMALLEST: tl.constexpr, B: tl.constexpr):
+    """`search.probe` over the first ``columns`` entries, block by block (the mass added at s
+    summed with a carry): (low, high, D, step)."""
+    beta = alpha - 1.0
+    carry = tl.full((), 0.0, tl.float64)
+    above_s = tl.full((), 0, tl.int64)
+    maybe = above_s
+    exceeds = above_s
+    may_exceed = above_s
+    below = above_s
+    tolerance = TERM_ROUNDING * (1.0 + tl.abs(log_lam))
+    rounding = SUM_ROUNDING * columns.to(tl.float64) + 1e-15
+    for first in range(0, columns, B):
+        x, log_x, deficit, pos = entries(src, tails, first, vocab, scale, total, LOGITS,
+                                         SMALLEST, B)
+        active = pos < columns
+        finite = isfinite64(log_x)
+        lp = tl.where(finite, log_x, 0.0)
+        log_q, _rate, lift = probe_values(kind, closed, lp, finite, beta, s, top)
+        q = exp64(log_q)
+        terms = tl.where(active, tl.where(finite, x * expm1_64(lift), q), 0.0)
+        added = carry + tl.cumsum(terms, 0)
+        carry += tl.sum(terms, axis=0)
+        margin = deficit * rounding
+        above_s += tl.sum((active & (added < deficit - margin)).to(tl.int64), axis=0)
+        maybe += tl.sum((active & (added < deficit + margin)).to(tl.int64), axis=0)
+        below += tl.sum((active & (added < deficit)).to(tl.int64), axis=0)
+        log_w = log_entry_term(dual, log_x, log_q, alpha)
+        exceeds += tl.sum((active & (log_w > log_lam + tolerance)).to(tl.int64), axis=0)
+        may_exceed += tl.sum((active & (log_w > log_lam - tolerance)).to(tl.int64), axis=0)
+    low = tl.minimum(above_s, exceeds)
+    known = (maybe < columns) & (may_exceed < columns)
+    high = tl.where(known, tl.maximum(maybe + 1, may_exceed), 9223372036854775807)
+    size = below + 1
+    m = tl.minimum(tl.maximum(size, 1), columns - 1)
+    # D at m and its Newton step (the moves of the entries before m; log w_j's slope in j
+    # over a stencil of about m / 64 entries)
+    reach = tl.maximum(m // 64, 1)
+    ahead = tl.minimum(m + reach, columns - 1)
+    behind = tl.maximum(m - reach, 0)
+    moves = tl.full((), 0.0, tl.float64)
+    for first in range(0, m, B):
+        log_x, pos = block_log_x(src, first, vocab, scale, total, LOGITS, B)
+        finite = isfinite64(log_x)
+        lp = tl.where(finite, log_x, 0.0)
+        log_q, rate, _lift = probe_values(kind, closed, lp, finite, beta, s, top)
+        moves += tl.sum(tl.where(pos < m, exp64(log_q) * rate, 0.0), axis=0)
+    s_map = tl.where(kind == 2, exp64(s), s)
+    log_q_m, lift_m, rate_m, finite_m, log_w_m = point(
+        kind, closed, dual, src, vocab, scale, total, beta, alpha, s_map, top, m, LOGITS, B)
+    rate_m = tl.where(kind == 2, rate_m * s_map, rate_m)
+    w_ahead = term_at(kind, closed, dual, src, vocab, scale, total, beta, alpha, s_map, top,
+                      ahead, LOGITS, B)
+    w_behind = term_at(kind, closed, dual, src, vocab, scale, total, beta, alpha, s_map, top,
+                       behind, LOGITS, B)
+    residual = log_w_m - log_lam
+    slope_q = term_slope(dual, alpha, lift_m, finite_m) * rate_m
+    per_entry = (w_ahead - w_behind) / (ahead - behind).to(tl.float64)
+    slope = slope_q - per_entry * moves / exp64(log_q_m)
+    target = tl.where(residual > 0, -STRADDLE, STRADDLE)
+    step = tl.where(size < columns, (target - residual) / slope, float("nan"))
+    return low, high, residual, step
+
+
+@device
+def probes(dual, kind, closed, src, tails, vocab, scale, total, alpha, log_lam, low, high,
+           top, LOGITS: tl.constexpr, SMALLEST: tl.constexpr, B: tl.constexpr):
+    """`kernels.search.probes` on the whole row: probes on the scalar until the bracket [low,
+    high] of k* is one size wide, or at most `SETTLE` wide and no longer narrowing (or three
+    probes in a row). Returns (low, high, the last probe's scalar)."""
+    beta = alpha - 1.0
+    widest = tl.maximum(high - 1, 1)
+    s_low, s_high, s = scalar_range(kind, src, tails, vocab, scale, total, beta, widest,
+                                    tl.minimum(tl.maximum(low, 1), widest), top, LOGITS,
+                                    SMALLEST, B)
+    s = tl.minimum(tl.maximum(s, s_low), s_high)
+    last = s
+    nan = tl.full((), float("nan"), tl.float64)
+    d_low = nan
+    d_high = nan
+    above = low < 0  # (False)
+    stale = low * 0
+    columns = high
+    count = tl.full((), 0, tl.int32)
+    go = (high - low > 1) & (count == 0)
+    while go:
+        found_low, found_high, residual, step = probe(
+            dual, kind, closed, src, tails, vocab, scale, total, alpha, log_lam, s, columns,
+            top, LOGITS, SMALLEST, B)
+        hi = tl.minimum(high, found_high)
+        lo = tl.minimum(tl.maximum(low, found_low), hi)
+        narrowed = (lo > low) | (hi < high)
+        low = lo
+        high = hi
+        last = s
+        up = residual > 0
+        down = residual <= 0
+        d_low = tl.where(up & above, 0.5 * d_low, d_low)
+        d_high = tl.where(down & ~above, 0.5 * d_high, d_high)
+        s_high = tl.where(up, s, s_high)
+        d_high = tl.where(up, residual, d_high)
+        s_low = tl.where(down, s, s_low)
+        d_low = tl.where(down, residual, d_low)
+        above = up
+        proposal = s + step
+        inside = (proposal > s_low) & (proposal < s_high)
+        share = tl.minimum(tl.maximum(d_low / (d_low - d_high), 0.05), 0.95)
+        share = tl.where(share != share, 0.5, share)
+        stale = tl.where(narrowed, 0, stale + 1)
+        s_next = tl.where(inside, proposal, s_low + share * (s_high - s_low))
+        count += 1
+        go = (hi - lo > 1) & (narrowed | ((hi - lo > SETTLE) & (stale < 3))) & \
+            (s_high - s_low > 1e-14 * (1.0 + tl.abs(s))) & (count < PROBES)
+        columns = tl.minimum(hi + 2, vocab)
+        s = s_next
+    return low, high, last
+
+
+@called
+def scalar_range(kind, src, tails, vocab, scale, total, beta, widest, size, top,
+                 LOGITS: tl.constexpr, SMALLEST: tl.constexpr, B: tl.constexpr):
+    """`kernels.search.scalar_range` in the probes' scalar: the scalar of ``widest`` (a lower
+    bound of every size's up to it), size 1's (an upper bound) and a start near that of
+    ``size``."""
+    deficit = deficit_at(src, tails, widest - 1, vocab, scale, total, LOGITS, SMALLEST, B)
+    at_size = deficit_at(src, tails, size - 1, vocab, scale, total, LOGITS, SMALLEST, B)
+    log_r = log64(deficit)
+    log_r_size = log64(at_size)
+    if kind == 1:  # `level_range`
+        log_ratio = log_r - log64(widest.to(tl.float64))
+        low = tl.where(beta >= 1, log_ratio, (log64(beta) + log_ratio) / beta)
+        high = top + log_expm1_64(-beta * top) / beta
+        kl = top + log_expm1_64(-beta * log1p64(-exp64(log_r_size))) / beta
+        low_size = tl.where(beta >= 1, log_r_size - log64(size.to(tl.float64)),
+                            (log64(beta) + log_r_size - log64(size.to(tl.float64))) / beta)
+        start = tl.maximum(tl.minimum(kl, high), low_size)
+    elif kind == 2:  # `top_range`
+        low = log64(-log1p64(-exp64(log_r)))
+        high = log64(-top)
+        start = log64(-log1p64(-exp64(log_r_size)))
+    else:  # `outer_bracket`'s low of the widest, its start of ``size``
+        low, _high, _first, _r = bracket(kind, src, tails, vocab, scale, total, beta, widest, top,
+                               LOGITS, SMALLEST, B)
+        high = log1p64(-exp64(top))
+        _low, _high_size, start, _r_size = bracket(kind, src, tails, vocab, scale, total, beta,
+                                                   size, top,
+                                 LOGITS, SMALLEST, B)
+    return low, high, start
+
+
+# ----------------------------------------------------------------------------- exact gaps
+
+
+@called
+def decide_gap(dual, kind, closed, src, vocab, scale, total, alpha, log_lam, m, s, s_next,
+               top, LOGITS: tl.constexpr, SMALLEST: tl.constexpr, B: tl.constexpr):
+    """`kernels.search.decide_gap` from the scalars of sizes m and m + 1: log G(m), or a bound
+    of it on the same side of log lambda (weak duality first; the log-space formulas of
+    `primal_log_gap` / `dual_log_gap` over the support's blocks for the rest)."""
+    beta = alpha - 1.0
+    p_next = log_x_at(src, m, scale, total, LOGITS)
+    upper = term_at(kind, closed, dual, src, vocab, scale, total, beta, alpha, s, top, m,
+                    LOGITS, B)
+    q_next_m, _lift, _rate, _finite, lower = point(kind, closed, dual, src, vocab, scale, total,
+                                                   beta, alpha, s_next, top, m, LOGITS, B)
+    if upper <= log_lam:
+        value = upper
+    elif lower > log_lam:
+        value = lower
+    else:
+        norm_next, _nan = normalizer(kind, closed, src, vocab, scale, total, beta, m + 1,
+                                     s_next, top, LOGITS, SMALLEST, B)
+        terms = tl.full((), float("-inf"), tl.float64)
+        for first in range(0, m, B):
+            log_x, pos = block_log_x(src, first, vocab, scale, total, LOGITS, B)
+            finite = isfinite64(log_x)
+            lp = tl.where(finite, log_x, 0.0)
+            _log_q_here, _rate_here, lift = map_values(kind, closed, lp, finite, beta, s, top)
+            log_q_next, _rate_next, lift_next = map_values(kind, closed, lp, finite, beta,
+                                                          s_next, top)
+            inside = pos < m
+            rho = lift - lift_next
+            rho = tl.where(inside & isfinite64(rho), rho, 0.0)
+            lqn = log_q_next - norm_next
+            if dual:
+                lpi = tl.where(inside, log_x, 0.0)
+                one = log64(beta) + alpha * lqn + alpha_kernel(alpha, rho)
+                two = log64(tl.abs(2.0 - alpha)) + lpi + beta * lqn + alpha_kernel(beta, rho)
+                log_terms = tl.where(alpha <= 2.0, logaddexp64(one, two), logsubexp64(one, two))
+            else:
+                log_terms = alpha * lqn + alpha_kernel(alpha, rho)
+            terms = logaddexp64(terms, logsumexp64(log_terms, inside))
+        if dual:
+            last = log_entry_term(1, p_next, q_next_m - norm_next, alpha)
+        else:
+            last = alpha * (q_next_m - norm_next) - log64(alpha)
+        value = logaddexp64(terms, last)
+    return value
+
+
+@device
+def settle(dual, kind, closed, src, tails, vocab, scale, total, alpha, log_lam, low, high, s,
+           top, LOGITS: tl.constexpr, SMALLEST: tl.constexpr, B: tl.constexpr):
+    """`kernels.search.settle`: the smallest k in [low, high] with G(k) <= lambda (or high) by
+    exact gaps, Algorithm 2's halving until at most `SETTLE` sizes are left, then the bracket's
+    low end. Returns (k, the scalar of k's map where a gap's maps held it, else NaN, whether a
+    gap came out NaN: then k is not known)."""
+    beta = alpha - 1.0
+    held = low * 0 - 1
+    held_s = s
+    answer_s = tl.full((), float("nan"), tl.float64)
+    broken = low < 0  # (False)
+    while low < high:
+        span = high - low
+        m = tl.where(span <= SETTLE, low, low + span // 2)
+        m = tl.minimum(m, high - 1)
+        s_next = solve(kind, closed, src, tails, vocab, scale, total, beta, m + 1, held_s,
+                       top, LOGITS, SMALLEST, B)
+        value = term_at(kind, closed, dual, src, vocab, scale, total, beta, alpha, s_next,
+                        top, m, LOGITS, B)
+        s_m = held_s
+        if value <= log_lam:
+            if held != m:
+                s_m = solve(kind, closed, src, tails, vocab, scale, total, beta, m, s_next,
+                            top, LOGITS, SMALLEST, B)
+            value = decide_gap(dual, kind, closed, src, vocab, scale, total, alpha, log_lam,
+                               m, s_m, s_next, top, LOGITS, SMALLEST, B)
+        broken = broken | (value != value) | (s_next != s_next)
+        if value > log_lam:
+            low = m + 1
+            answer_s = s_next
+        else:
+            high = m
+            answer_s = s_m
+        held = m + 1
+        held_s = s_next
+    return low, tl.where(held >= 0, answer_s, float("nan")), broken
+
+
+# ----------------------------------------------------------------------------- closed forms
+
+
+@called
+def closed_search(family, src, tails, vocab, scale, total, lam, limit,
+                  LOGITS: tl.constexpr, SMALLEST: tl.constexpr, B: tl.constexpr):
+    """`formulas.closed_search` over the whole row: the first k with G(k) <= lambda or k =
+    limit (KL, alpha = 3/2 and 2, their gaps in closed form: `formulas.closed_gaps`), block by
+    block with the prefix sums carried."""
+    local = tl.arange(0, B)
+    k = tl.full((), 0, tl.int64) + vocab
+    prefix = tl.full((), 0.0, tl.float64)
+    roots = prefix
+    first = tl.full((), 0, tl.int64)
+    while (k == vocab) & (first < vocab):
+        x, _log_x, deficit, pos = entries(src, tails, first, vocab, scale, total, LOGITS,
+                                          SMALLEST,
+                                     B)
+        after = tl.minimum(first + B, vocab - 1)
+        x_after = x_at(src, first + B, vocab, scale, total, LOGITS, SMALLEST)
+        deficit_after = deficit_at(src, tails, after, vocab, scale, total, LOGITS, SMALLEST, B)
+        last = local == B - 1
+        x_next = tl.where(last, x_after, shifted(x, local, B))
+        sizes = (pos + 1).to(tl.float64)
+        if family == KL:
+            s_k = prefix + tl.cumsum(x, 0)
+            gaps = log1p64(x_next / tl.where(s_k > 0, s_k, 1.0))
+        elif family == SQUARE:
+            t = sizes * x_next + deficit
+            gaps = t * t / (2.0 * sizes * (sizes + 1.0))
+        else:
+            r = roots + tl.cumsum(sqrt64(x), 0)
+            c = deficit / (sqrt64(r * r + sizes * deficit) + r)
+            r_after = tl.sum(tl.where(last, r, 0.0), axis=0) + sqrt64(x_after)
+            c_after = deficit_after / (sqrt64(r_after * r_after + (first + B + 1).to(
+                tl.float64) * deficit_after) + r_after)
+            c_next = tl.where(last, c_after, shifted(c, local, B))
+            moved = (c - c_next) * (c - c_next) * (3.0 * r + 2.0 * sizes * c + sizes * c_next)
+            grown = sqrt64(x_next) + c_next
+            gaps = (2.0 / 3.0) * (moved + grown * grown * grown)
+        prefix += tl.sum(x, axis=0)
+        roots += tl.sum(sqrt64(x), axis=0)
+        stop = ((gaps <= lam) | (pos + 1 >= limit)) & (pos < vocab - 1)
+        k = tl.min(tl.where(stop, pos + 1, vocab), axis=0).to(tl.int64)
+        first += B
+    return k
+
+
+@called
+def closed_scalars(family, src, tails, vocab, scale, total, k,
+                   LOGITS: tl.constexpr, SMALLEST: tl.constexpr, B: tl.constexpr):
+    """What a closed-form map of size k needs besides each entry (`formulas.closed_map`): log
+    R_k and one scalar: KL's log S_k, alpha = 3/2's log sum sqrt(p_i), the water level (the
+    first c_j = R_j / (k - j) at or above p_(j+1), R_j the mass from j on), the number of
+    entries tied with the largest."""
+    deficit = deficit_at(src, tails, k - 1, vocab, scale, total, LOGITS, SMALLEST, B)
+    top = log_x_at(src, 0, scale, total, LOGITS)
+    scalar = tl.full((), float("-inf"), tl.float64)
+    level = tl.full((), float("nan"), tl.float64)
+    for first in range(0, k, B):
+        x, log_x, deficit_j, pos = entries(src, tails, first, vocab, scale, total, LOGITS,
+                                           SMALLEST, B)
+        inside = pos < k
+        if family == KL:
+            scalar = logaddexp64(scalar, logsumexp64(log_x, inside))
+        elif family == THREE_HALVES:
+            scalar = logaddexp64(scalar, logsumexp64(0.5 * log_x, inside))
+        elif family == WATER:
+            p = tl.where(inside, exp64(log_x), 0.0)
+            c = (x + deficit_j) / tl.maximum((k - pos).to(tl.float64), 1.0)
+            hit = inside & (c >= p)
+            if (level != level) & (tl.max(hit.to(tl.int32), axis=0) > 0):
+                level = at(c, pos, tl.min(tl.where(hit, pos, vocab), axis=0))
+        elif family == ARGMAX:
+            tied = tl.sum((inside & (log_x == top)).to(tl.float64), axis=0)
+            scalar = tl.where(scalar == float("-inf"), 0.0, scalar) + tied
+    if family == WATER:
+        scalar = log64(level)
+    return log64(deficit), scalar, top
+
+
+@device
+def closed_values_of(family, log_x, inside, log_deficit, k, scalar, top):
+    """A closed-form map's log q on a block (`formulas.closed_map`, its sums in ``scalar``)."""
+    if family == KL:
+        log_q = log_x - scalar
+    elif family == THREE_HALVES:
+        half = 0.5 * log_x
+        log_root = 0.5 * logaddexp64(2.0 * scalar, log64(k) + log_deficit)
+        log_c = log_deficit - logaddexp64(log_root, scalar)
+        log_q = 2.0 * logaddexp64(half, log_c)
+    elif family == SQUARE:
+        log_q = logaddexp64(log_x, log_deficit - log64(k))
+    elif family == WATER:
+        log_q = tl.maximum(log_x, scalar)
+    else:
+        log_q = tl.where(log_x == top, logaddexp64(log_x, log_deficit - log64(scalar)), log_x)
+    return tl.where(inside, log_q, float("-inf"))
+
+
+@device
+def is_closed_map(family):
+    """The families whose fixed-size map is closed-form (`formulas.closed_map`)."""
+    return (family == KL) | (family == THREE_HALVES) | (family == SQUARE) | \
+        (family == WATER) | (family == ARGMAX)
+
+
+# ----------------------------------------------------------------------------- one row
+
+
+@device
+def search(dual, kind, closed, src, tails, vocab, scale, total, alpha, lam, low, limit, top,
+           LOGITS: tl.constexpr, SMALLEST: tl.constexpr, B: tl.constexpr):
+    """`kernels.search.search_row` on the whole row (``low``: the search pass's certified lower
+    bound on k*): the floor of the gaps, the probes, the exact gaps. Returns `settle`'s."""
+    log_lam = log64(lam)
+    lo = tl.minimum(tl.maximum(low, 1), limit)
+    hi = limit
+    # the floor: an entry whose term exceeds lambda at q = p has G(j - 1) > lambda
+    tolerance = TERM_ROUNDING * (1.0 + tl.abs(log_lam))
+    count = tl.full((), 0, tl.int64)
+    for first in range(0, vocab, B):
+        log_x, _pos = block_log_x(src, first, vocab, scale, total, LOGITS, B)
+        floor = log_entry_term(dual, log_x, log_x, alpha)
+        count += tl.sum((floor > log_lam + tolerance).to(tl.int64), axis=0)
+    lo = tl.maximum(lo, tl.minimum(count, hi))
+    s = tl.full((), float("nan"), tl.float64)
+    if hi - lo > 1:
+        lo, hi, s = probes(dual, kind, closed, src, tails, vocab, scale, total, alpha, log_lam,
+                           lo, hi, top, LOGITS, SMALLEST, B)
+        if kind == 2:
+            s = exp64(s)  # (the map's solver takes delta itself)
+    return settle(dual, kind, closed, src, tails, vocab, scale, total, alpha, log_lam, lo, hi,
+                  s, top, LOGITS, SMALLEST, B)
+
+
+@device
+def values_block(family, closed_form, kind, closed, src, vocab, scale, total, beta, k, s,
+                 norm, log_deficit, scalar, top, first, LOGITS: tl.constexpr,
+                 SMALLEST: tl.constexpr, B: tl.constexpr):
+    """log T_k on the block at ``first`` (normalized): a closed form's, or the map at s less
+    its normalizer."""
+    log_x, pos = block_log_x(src, first, vocab, scale, total, LOGITS, B)
+    inside = pos < k
+    if closed_form:
+        log_q = closed_values_of(family, log_x, inside, log_deficit, k.to(tl.float64), scalar,
+                                 top)
+    else:
+        finite = isfinite64(log_x)
+        lp = tl.where(finite, log_x, 0.0)
+        log_q, _rate, _lift = map_values(kind, closed, lp, finite, beta, s, top)
+        log_q = tl.where(inside, log_q - norm, float("-inf"))
+    return log_q, pos, inside
+
+
+@triton.jit(do_not_specialize=["stride", "tails_stride"])
+def wide_kernel(sorted_ptr, stride, vocab, map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr,
+                lam_ptr, row_mode_ptr, temperature_ptr, scale_ptr, total_ptr, needs_ptr,
+                flagged_ptr, low_ptr, tails_ptr, tails_stride, k_ptr, mode_ptr,
+                LOGITS: tl.constexpr, SMALLEST: tl.constexpr, B: tl.constexpr):
+    """One row the search pass left ``needs`` (the others leave at once), on its sorted scores
+    (``sorted_ptr``, overwritten with the values to write on the support: ``mode`` 4): a fixed
+    size's map, the closed-form gaps, or the search (`search`), then log T_k*. A map with a NaN
+    is not written (the row stays flagged: the window's answer, or left as it came)."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(needs_ptr + row) == 0:
+        return
+    slot = tl.load(map_ptr + row).to(tl.int64)
+    family = tl.load(family_ptr + slot)
+    fixed = tl.load(fixed_ptr + slot) != 0
+    size = tl.load(size_ptr + slot)
+    alpha = tl.load(alpha_ptr + slot)
+    lam = tl.load(lam_ptr + slot)
+    dual = tl.load(row_mode_ptr + slot) == 2  # (`rows.MODES`: 1 primal, 2 dual)
+    temperature = tl.load(temperature_ptr + slot).to(tl.float64)
+    scale = tl.load(scale_ptr + slot).to(tl.float64)
+    total = tl.load(total_ptr + row)
+    src = sorted_ptr + row * stride
+    tails = tails_ptr + row * tails_stride
+    known = prepare(src, tails, vocab, scale, total, LOGITS, SMALLEST, B)
+    top = log_x_at(src, 0, scale, total, LOGITS)
+    beta = alpha - 1.0
+    kind = tl.where(dual, 0, tl.where(alpha > 1.0, 1, 2))
+    closed = tl.where((family == DUAL_THREE_HALVES) | (family == DUAL_THREE), family, 0)
+    closed_form = (fixed & is_closed_map(family)) | (~fixed & closed_gap_family(family))
+    s = tl.full((), float("nan"), tl.float64)
+    broken = fixed & ~fixed  # (False)
+    if fixed:
+        k = tl.maximum(tl.minimum(known, size), 1)
+    elif closed_gap_family(family):
+        k = closed_search(family, src, tails, vocab, scale, total, lam,
+                          tl.minimum(known, size), LOGITS, SMALLEST, B)
+    else:
+        k, s, broken = search(dual, kind, closed, src, tails, vocab, scale, total, alpha, lam,
+                      tl.load(low_ptr + row), tl.maximum(tl.minimum(known, size), 1), top,
+                      LOGITS, SMALLEST, B)
+    log_deficit = tl.full((), 0.0, tl.float64)
+    scalar = log_deficit
+    norm = log_deficit
+    if closed_form:
+        log_deficit, scalar, top = closed_scalars(family, src, tails, vocab, scale, total, k,
+                                                  LOGITS, SMALLEST, B)
+    else:
+        if s != s:
+            s = solve(kind, closed, src, tails, vocab, scale, total, beta, k, s, top, LOGITS,
+                      SMALLEST, B)
+        norm, nan = normalizer(kind, closed, src, vocab, scale, total, beta, k, s, top,
+                               LOGITS, SMALLEST, B)
+        norm = tl.where(nan, float("nan"), norm)
+    # (a NaN scalar is not always seen in the values: min / max drop NaN operands)
+    bad = (norm != norm) | broken | (~closed_form & (s != s))
+    if closed_form:  # (the general maps' normalizer saw every value)
+        for first in range(0, k, B):
+            log_q, _pos, inside = values_block(family, closed_form, kind, closed, src, vocab,
+                                            scale, total, beta, k, s, norm, log_deficit,
+                                            scalar, top, first, LOGITS, SMALLEST, B)
+            bad = bad | (tl.max((inside & (log_q != log_q)).to(tl.int32), axis=0) > 0)
+    if bad == 0:
+        for first in range(0, k, B):
+            log_q, pos, inside = values_block(family, closed_form, kind, closed, src, vocab,
+                                              scale, total, beta, k, s, norm, log_deficit,
+                                              scalar, top, first, LOGITS, SMALLEST, B)
+            tl.debug_barrier()  # (the block read before it is overwritten)
+            if LOGITS:
+                tl.store(src + pos, log_q * temperature, mask=inside)
+            else:
+                tl.store(src + pos, exp64(log_q), mask=inside)
+        tl.store(k_ptr + row, k)
+        tl.store(mode_ptr + row, 4)
+        tl.store(needs_ptr + row, 0)
+        tl.store(flagged_ptr + row, -1)
