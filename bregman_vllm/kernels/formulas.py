@@ -193,7 +193,12 @@ def top_keys(keys, K: tl.constexpr):
 def kl_gaps(x, x_next):
     """`gaps.kl_gaps`: G(k) = log1p(p_(k+1) / S_k) at k = j + 1 (alpha = 1, eq. (1): cost(k) =
     -log S_k + lambda k)."""
-    prefix = tl.cumsum(x, 0)
+    return kl_gap(tl.cumsum(x, 0), x_next)
+
+
+@device
+def kl_gap(prefix, x_next):
+    """`kl_gaps` from S_k (``prefix``) and p_(k+1)."""
     return log1p64(x_next / tl.where(prefix > 0, prefix, 1.0))
 
 
@@ -211,8 +216,19 @@ def three_halves_gaps(x, x_next, deficit, sizes, positions, K: tl.constexpr):
     c_(k+1))^2 (3 r_k + 2k c_k + k c_(k+1)) + (sqrt(p_(k+1)) + c_(k+1))^3] with r_k =
     sum_(i<=k) sqrt(p_i), c_k = R_k / (sqrt(r_k^2 + k R_k) + r_k) (Proposition 4.1)."""
     r = tl.cumsum(sqrt64(x), 0)
-    c = deficit / (sqrt64(r * r + sizes * deficit) + r)
-    c_next = shifted(c, positions, K)
+    c = three_halves_shift(r, deficit, sizes)
+    return three_halves_gap(r, c, shifted(c, positions, K), x_next, sizes)
+
+
+@device
+def three_halves_shift(r, deficit, sizes):
+    """c_k = R_k / (sqrt(r_k^2 + k R_k) + r_k), the shift of sqrt(p) in alpha = 3/2's map."""
+    return deficit / (sqrt64(r * r + sizes * deficit) + r)
+
+
+@device
+def three_halves_gap(r, c, c_next, x_next, sizes):
+    """`three_halves_gaps` from r_k, c_k, c_(k+1) and p_(k+1)."""
     moved = (c - c_next) * (c - c_next) * (3.0 * r + 2.0 * sizes * c + sizes * c_next)
     added = sqrt64(x_next) + c_next
     return (2.0 / 3.0) * (moved + added * added * added)
@@ -253,10 +269,15 @@ def three_halves_map(log_x, inside, log_deficit, k):
     """`primal.three_halves_log_renorm`: q_i = (sqrt(p_i) + c)^2, c = R / (sqrt(r^2 + k R) + r)
     (alpha = 3/2, Proposition 4.1, rationalized)."""
     half = tl.where(inside, 0.5 * log_x, float("-inf"))
-    log_r = logsumexp64(half, inside)
+    return three_halves_values(log_x, inside, log_deficit, k, logsumexp64(half, inside))
+
+
+@device
+def three_halves_values(log_x, inside, log_deficit, k, log_r):
+    """`three_halves_map` from log r, r = sum_(i<=k) sqrt(p_i)."""
     log_root = 0.5 * logaddexp64(2.0 * log_r, log64(k) + log_deficit)
     log_c = log_deficit - logaddexp64(log_root, log_r)
-    return tl.where(inside, 2.0 * logaddexp64(half, log_c), float("-inf"))
+    return tl.where(inside, 2.0 * logaddexp64(0.5 * log_x, log_c), float("-inf"))
 
 
 @device
@@ -274,9 +295,14 @@ def water_level(p, log_deficit, k, positions, K: tl.constexpr):
 def water_map(log_x, inside, log_deficit, k, positions, K: tl.constexpr):
     """`primal.water_filling_log_renorm`: q_i = max(p_i, c), c the level (`water_level`;
     alpha = +inf, Proposition 4.1)."""
-    p = tl.where(inside, exp64(log_x), 0.0)
-    c = water_level(p, log_deficit, k, positions, K)
-    return tl.where(inside, log64(tl.maximum(p, c)), float("-inf"))
+    c = water_level(tl.where(inside, exp64(log_x), 0.0), log_deficit, k, positions, K)
+    return water_values(log_x, inside, c)
+
+
+@device
+def water_values(log_x, inside, c):
+    """`water_map` from its level c: log max(p_i, c)."""
+    return tl.where(inside, log64(tl.maximum(exp64(log_x), c)), float("-inf"))
 
 
 @device
@@ -284,9 +310,16 @@ def argmax_map(log_x, inside, log_deficit):
     """`primal.argmax_fill_log_renorm`: the deficit goes to the largest entry, shared equally
     among ties (alpha = -inf, Proposition 4.1)."""
     top = tl.max(tl.where(inside, log_x, float("-inf")), axis=0)
-    tied = inside & (log_x == top)
-    shift = log_deficit - log64(tl.sum(tied.to(tl.float64), axis=0))
-    return tl.where(inside, tl.where(tied, logaddexp64(log_x, shift), log_x), float("-inf"))
+    tied = tl.sum((inside & (log_x == top)).to(tl.float64), axis=0)
+    return argmax_values(log_x, inside, log_deficit, top, tied)
+
+
+@device
+def argmax_values(log_x, inside, log_deficit, top, tied):
+    """`argmax_map` from the largest entry's log and the number of entries tied with it."""
+    shift = log_deficit - log64(tied)
+    return tl.where(inside, tl.where(log_x == top, logaddexp64(log_x, shift), log_x),
+                    float("-inf"))
 
 
 @device

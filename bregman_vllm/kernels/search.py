@@ -494,10 +494,21 @@ def top_range(top, log_r):
 @device
 def outer_bracket(lp, finite, mask, beta, log_r, k, top):
     """`dual._outer_bracket`: a bracket [low, high] of s = log nu of the support ``mask`` and a
-    start inside it (nu = R / sum_i q_i^(2 - alpha) at the alpha = 2 solution)."""
+    start inside it (`outer_ends`, from the support's sums)."""
     log_ratio = log_r - log64(k.to(tl.float64))
     log_power_sum = logsumexp64((1.0 - beta) * lp, finite & mask)
     has_zero = tl.max((mask & ~finite).to(tl.int32), axis=0) > 0
+    shifted = logsumexp64((1.0 - beta) * logaddexp64(lp, log_ratio), mask)
+    return outer_ends(beta, log_r, k, top, log_power_sum, has_zero, shifted)
+
+
+@device
+def outer_ends(beta, log_r, k, top, log_power_sum, has_zero, shifted):
+    """`outer_bracket` from the support's sums: log sum q^(1 - alpha) at q = p (``log_power_sum``,
+    finite entries), whether a zero entry is in it, and log sum (p + R/k)^(1 - alpha)
+    (``shifted``; nu = R / sum_i q_i^(2 - alpha) at the alpha = 2 solution q = p + R/k is the
+    start)."""
+    log_ratio = log_r - log64(k.to(tl.float64))
     below_two = beta < 1.0
     low = tl.where(below_two, log_ratio, beta * log_ratio)
     low = tl.where(below_two | has_zero, low, tl.maximum(low, log_r - log_power_sum))
@@ -505,8 +516,7 @@ def outer_bracket(lp, finite, mask, beta, log_r, k, top):
     low, high = tl.minimum(low, high), tl.maximum(low, high)
     high = tl.minimum(high, log1p64(-exp64(top)))
     low = tl.where(k == 1, high, tl.minimum(low, high))  # (size 1: q_1 = 1, given)
-    shifted = logaddexp64(lp, log_ratio)
-    start = log_r - logsumexp64((1.0 - beta) * shifted, mask)
+    start = log_r - shifted
     return low, high, tl.where((start > low) & (start < high), start, high)
 
 
@@ -671,6 +681,37 @@ def probes(dual, kind, closed, log_p, lp, finite, p, deficit, alpha, log_lam, lo
 
 
 @device
+def support_mass(deficit, log_mass):
+    """log S_k, the support's mass: log(1 - R_k) where R_k < 1/2, else from the support's own
+    log-sum-exp (``log_mass``), whichever is the more accurate."""
+    return tl.where(deficit < 0.5, log1p64(-tl.minimum(deficit, 0.5)), log_mass)
+
+
+@device
+def level_ends(top, beta, log_r, k, log_s, cap):
+    """`level_map`'s bracket of the water level of size k and its first value: the KL start
+    (q_1 at p_1 / S_k; ``log_s`` = log S_k) held below ``cap`` (the water-filling level, or
+    +inf). Returns (low, high, first)."""
+    log_ratio = log_r - log64(k.to(tl.float64))
+    low = tl.where(beta >= 1, log_ratio, (log64(beta) + log_ratio) / beta)
+    high = top + log_expm1_64(-beta * top) / beta
+    first = top + log_expm1_64(-beta * log_s) / beta
+    first = tl.where(beta < 1, tl.minimum(first, log_ratio), first)
+    first = tl.minimum(tl.minimum(first, high), cap)
+    low = tl.where(k == 1, high, tl.minimum(low, first))  # (size 1: q_1 = 1, given)
+    return low, high, first
+
+
+@device
+def top_ends(top, log_s, k):
+    """`top_map`'s bracket of delta for size k, [0, -log p_1], and its first value, the KL
+    value -log S_k. Returns (low, high, first)."""
+    high = tl.maximum(-top, 0.0)
+    low = tl.where(k == 1, high, 0.0)  # (size 1: q_1 = 1, given)
+    return low, high, tl.minimum(tl.maximum(-log_s, 0.0), high)
+
+
+@device
 def level_map(lp, finite, beta, log_r, k, start, positions, C: tl.constexpr):
     """`primal.primal_multiplier`, beta > 0: the water level of the support of size k by
     safeguarded Newton on sum_i (q_i - p_i) = R (positive terms), from the KL start (or the
@@ -679,17 +720,9 @@ def level_map(lp, finite, beta, log_r, k, start, positions, C: tl.constexpr):
     fin = finite & mask
     deficit = exp64(log_r)
     top = at(lp, positions, 0)
-    log_s = tl.where(deficit < 0.5, log1p64(-tl.minimum(deficit, 0.5)),
-                     logsumexp64(lp, fin))
-    log_ratio = log_r - log64(k.to(tl.float64))
-    low = tl.where(beta >= 1, log_ratio, (log64(beta) + log_ratio) / beta)
-    high = top + log_expm1_64(-beta * top) / beta
-    first = top + log_expm1_64(-beta * log_s) / beta
-    first = tl.where(beta < 1, tl.minimum(first, log_ratio), first)
-    first = tl.minimum(first, high)
+    log_s = support_mass(deficit, logsumexp64(lp, fin))
     water = water_level(tl.where(fin, exp64(lp), 0.0), log_r, k.to(tl.float64), positions, C)
-    first = tl.minimum(first, log64(water))
-    low = tl.where(k == 1, high, tl.minimum(low, first))  # (size 1: q_1 = 1, given)
+    low, high, first = level_ends(top, beta, log_r, k, log_s, log64(water))
     tau = tl.where((start > low) & (start < high), start, first)
     closed = high <= low
     previous = tl.full((), float("inf"), tl.float64)
@@ -716,11 +749,7 @@ def top_map(log_p, lp, finite, beta, log_r, k, start, positions):
     fin = finite & mask
     deficit = exp64(log_r)
     top = at(lp, positions, 0)
-    log_s = tl.where(deficit < 0.5, log1p64(-tl.minimum(deficit, 0.5)),
-                     logsumexp64(lp, fin))
-    high = tl.maximum(-top, 0.0)
-    low = tl.where(k == 1, high, 0.0)  # (size 1: q_1 = 1, given)
-    first = tl.minimum(tl.maximum(-log_s, 0.0), high)
+    low, high, first = top_ends(top, support_mass(deficit, logsumexp64(lp, fin)), k)
     delta = tl.where((start > low) & (start < high), start, first)
     closed = high <= low
     previous = tl.full((), float("inf"), tl.float64)

@@ -45,17 +45,25 @@ from .formulas import (
     SQUARE,
     THREE_HALVES,
     WATER,
+    argmax_values,
     at,
     closed_gap_family,
     device,
     exp64,
     expm1_64,
+    kl_gap,
     log1p64,
     log64,
     logaddexp64,
     logsumexp64,
     shifted,
     sqrt64,
+    square_gaps,
+    square_map,
+    three_halves_gap,
+    three_halves_shift,
+    three_halves_values,
+    water_values,
 )
 from .search import (
     MAX_ITERATIONS,
@@ -70,13 +78,18 @@ from .search import (
     inner_solve,
     inner_upper,
     isfinite64,
+    level_ends,
+    level_range,
     level_values,
     log_entry_term,
-    log_expm1_64,
     logsubexp64,
     newton_update,
+    outer_ends,
     shaped_inner,
+    support_mass,
     term_slope,
+    top_ends,
+    top_range,
     top_values,
     values_at,
 )
@@ -261,28 +274,13 @@ def bracket(kind, src, tails, vocab, scale, total, beta, k, top, LOGITS: tl.cons
             has_zero = has_zero | (tl.max((mask & ~finite).to(tl.int32), axis=0) > 0)
         elif deficit >= 0.5:
             log_s = logaddexp64(log_s, logsumexp64(lp, finite & mask))
-    log_s = tl.where(deficit < 0.5, log1p64(-tl.minimum(deficit, 0.5)), log_s)
-    if kind == 1:  # `level_map`
-        low = tl.where(beta >= 1, log_ratio, (log64(beta) + log_ratio) / beta)
-        high = top + log_expm1_64(-beta * top) / beta
-        first_s = top + log_expm1_64(-beta * log_s) / beta
-        first_s = tl.where(beta < 1, tl.minimum(first_s, log_ratio), first_s)
-        first_s = tl.minimum(first_s, high)
-        low = tl.where(k == 1, high, tl.minimum(low, first_s))
-    elif kind == 2:  # `top_map`
-        high = tl.maximum(-top, 0.0)
-        low = tl.where(k == 1, high, 0.0)
-        first_s = tl.minimum(tl.maximum(-log_s, 0.0), high)
-    else:  # `outer_bracket`
-        below_two = beta < 1.0
-        low = tl.where(below_two, log_ratio, beta * log_ratio)
-        low = tl.where(below_two | has_zero, low, tl.maximum(low, log_r - power))
-        high = tl.where(below_two, log_r - power, log_ratio)
-        low, high = tl.minimum(low, high), tl.maximum(low, high)
-        high = tl.minimum(high, log1p64(-exp64(top)))
-        low = tl.where(k == 1, high, tl.minimum(low, high))
-        first_s = log_r - shifted_power
-        first_s = tl.where((first_s > low) & (first_s < high), first_s, high)
+    log_s = support_mass(deficit, log_s)
+    if kind == 1:
+        low, high, first_s = level_ends(top, beta, log_r, k, log_s, float("inf"))
+    elif kind == 2:
+        low, high, first_s = top_ends(top, log_s, k)
+    else:
+        low, high, first_s = outer_ends(beta, log_r, k, top, power, has_zero, shifted_power)
     return low, high, first_s, deficit
 
 
@@ -495,25 +493,18 @@ def scalar_range(kind, src, tails, vocab, scale, total, beta, widest, size, top,
     at_size = deficit_at(src, tails, size - 1, vocab, scale, total, LOGITS, SMALLEST, B)
     log_r = log64(deficit)
     log_r_size = log64(at_size)
-    if kind == 1:  # `level_range`
-        log_ratio = log_r - log64(widest.to(tl.float64))
-        low = tl.where(beta >= 1, log_ratio, (log64(beta) + log_ratio) / beta)
-        high = top + log_expm1_64(-beta * top) / beta
-        kl = top + log_expm1_64(-beta * log1p64(-exp64(log_r_size))) / beta
-        low_size = tl.where(beta >= 1, log_r_size - log64(size.to(tl.float64)),
-                            (log64(beta) + log_r_size - log64(size.to(tl.float64))) / beta)
-        start = tl.maximum(tl.minimum(kl, high), low_size)
-    elif kind == 2:  # `top_range`
-        low = log64(-log1p64(-exp64(log_r)))
-        high = log64(-top)
-        start = log64(-log1p64(-exp64(log_r_size)))
+    if kind == 1:
+        low, _start_widest, high = level_range(top, beta, log_r, widest)
+        _low_size, start, _high_size = level_range(top, beta, log_r_size, size)
+    elif kind == 2:
+        low, _start_widest, high = top_range(top, log_r)
+        _low_size, start, _high_size = top_range(top, log_r_size)
     else:  # `outer_bracket`'s low of the widest, its start of ``size``
         low, _high, _first, _r = bracket(kind, src, tails, vocab, scale, total, beta, widest, top,
-                               LOGITS, SMALLEST, B)
+                                         LOGITS, SMALLEST, B)
         high = log1p64(-exp64(top))
         _low, _high_size, start, _r_size = bracket(kind, src, tails, vocab, scale, total, beta,
-                                                   size, top,
-                                 LOGITS, SMALLEST, B)
+                                                   size, top, LOGITS, SMALLEST, B)
     return low, high, start
 
 
@@ -631,21 +622,17 @@ def closed_search(family, src, tails, vocab, scale, total, lam, limit,
         x_next = tl.where(last, x_after, shifted(x, local, B))
         sizes = (pos + 1).to(tl.float64)
         if family == KL:
-            s_k = prefix + tl.cumsum(x, 0)
-            gaps = log1p64(x_next / tl.where(s_k > 0, s_k, 1.0))
+            gaps = kl_gap(prefix + tl.cumsum(x, 0), x_next)
         elif family == SQUARE:
-            t = sizes * x_next + deficit
-            gaps = t * t / (2.0 * sizes * (sizes + 1.0))
+            gaps = square_gaps(x_next, deficit, sizes)
         else:
             r = roots + tl.cumsum(sqrt64(x), 0)
-            c = deficit / (sqrt64(r * r + sizes * deficit) + r)
+            c = three_halves_shift(r, deficit, sizes)
             r_after = tl.sum(tl.where(last, r, 0.0), axis=0) + sqrt64(x_after)
-            c_after = deficit_after / (sqrt64(r_after * r_after + (first + B + 1).to(
-                tl.float64) * deficit_after) + r_after)
+            c_after = three_halves_shift(r_after, deficit_after,
+                                         (first + B + 1).to(tl.float64))
             c_next = tl.where(last, c_after, shifted(c, local, B))
-            moved = (c - c_next) * (c - c_next) * (3.0 * r + 2.0 * sizes * c + sizes * c_next)
-            grown = sqrt64(x_next) + c_next
-            gaps = (2.0 / 3.0) * (moved + grown * grown * grown)
+            gaps = three_halves_gap(r, c, c_next, x_next, sizes)
         prefix += tl.sum(x, axis=0)
         roots += tl.sum(sqrt64(x), axis=0)
         stop = ((gaps <= lam) | (pos + 1 >= limit)) & (pos < vocab - 1)
@@ -683,7 +670,7 @@ def closed_scalars(family, src, tails, vocab, scale, total, k,
             tied = tl.sum((inside & (log_x == top)).to(tl.float64), axis=0)
             scalar = tl.where(scalar == float("-inf"), 0.0, scalar) + tied
     if family == WATER:
-        scalar = log64(level)
+        scalar = level
     return log64(deficit), scalar, top
 
 
@@ -691,19 +678,16 @@ def closed_scalars(family, src, tails, vocab, scale, total, k,
 def closed_values_of(family, log_x, inside, log_deficit, k, scalar, top):
     """A closed-form map's log q on a block (`formulas.closed_map`, its sums in ``scalar``)."""
     if family == KL:
-        log_q = log_x - scalar
+        log_q = tl.where(inside, log_x - scalar, float("-inf"))
     elif family == THREE_HALVES:
-        half = 0.5 * log_x
-        log_root = 0.5 * logaddexp64(2.0 * scalar, log64(k) + log_deficit)
-        log_c = log_deficit - logaddexp64(log_root, scalar)
-        log_q = 2.0 * logaddexp64(half, log_c)
+        log_q = three_halves_values(log_x, inside, log_deficit, k, scalar)
     elif family == SQUARE:
-        log_q = logaddexp64(log_x, log_deficit - log64(k))
+        log_q = square_map(log_x, inside, log_deficit, k)
     elif family == WATER:
-        log_q = tl.maximum(log_x, scalar)
+        log_q = water_values(log_x, inside, scalar)
     else:
-        log_q = tl.where(log_x == top, logaddexp64(log_x, log_deficit - log64(scalar)), log_x)
-    return tl.where(inside, log_q, float("-inf"))
+        log_q = argmax_values(log_x, inside, log_deficit, top, scalar)
+    return log_q
 
 
 @device
