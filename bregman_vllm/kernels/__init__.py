@@ -2,7 +2,10 @@
 package only when ``BREGMAN_BACKEND`` chooses it: `core.step.backend`).
 
     formulas   the step's formulas as Triton functions, one per torch function they restate
-    step       the four kernels, the hand-off to the exact path, the warm-up
+    search     the search (`core.search`) on one row's candidates, in registers
+    wide       the same search over a whole sorted row in global memory, a block at a time
+    step       the kernels and their launches (four; six with the search pass; seven and a
+               sort with the wide pass), the warm-up
 """
 
 from .formulas import INTERPRET

@@ -128,6 +128,18 @@ def logsumexp64(v, inside):
 
 
 @device
+def request_at(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr, row_mode_ptr,
+               temperature_ptr, row):
+    """A row's request through the step's row -> slot mapping (`rows.RowTable`'s columns):
+    (slot, family, fixed, size, alpha, lambda, dual, temperature)."""
+    slot = tl.load(map_ptr + row).to(tl.int64)
+    return (slot, tl.load(family_ptr + slot), tl.load(fixed_ptr + slot) != 0,
+            tl.load(size_ptr + slot), tl.load(alpha_ptr + slot), tl.load(lam_ptr + slot),
+            tl.load(row_mode_ptr + slot) == 2,  # (`rows.MODES`: 1 primal, 2 dual)
+            tl.load(temperature_ptr + slot).to(tl.float64))
+
+
+@device
 def at(v, positions, j):
     """v[j] for a scalar position j (``positions``: tl.arange over v)."""
     return tl.sum(tl.where(positions == j, v, 0), axis=0)

@@ -792,6 +792,17 @@ def inner_solve(beta, target, z):
 
 
 @device
+def added_mass(lp, finite, mask, log_q, rate, lift):
+    """The mass a map adds to the support ``mask`` (from positive terms: p (e^lift - 1) for
+    each entry, q for zero entries) and its derivative in the map's scalar (sum q d log q /
+    ds): the function and slope of every map's Newton solve."""
+    q = tl.where(mask, exp64(log_q), 0.0)
+    added = tl.where(finite, exp64(lp) * expm1_64(lift), q)
+    return (tl.sum(tl.where(mask, added, 0.0), axis=0),
+            tl.sum(tl.where(mask, q * rate, 0.0), axis=0))
+
+
+@device
 def dual_map(closed, lp, finite, beta, log_r, k, start, z, positions):
     """`dual._nested` (Algorithm 1; `dual.dual_multiplier` for the quadratic families): s =
     log nu of the support of size k by safeguarded Newton on the mass added to the support
@@ -817,12 +828,9 @@ def dual_map(closed, lp, finite, beta, log_r, k, start, z, positions):
             target = s - beta * lp
             z = inner_solve(beta, target, tl.minimum(z, inner_upper(beta, target)))
             y = exp64(z)
-        log_q = tl.where(finite, lp + y, s / beta)
-        q = tl.where(mask, exp64(log_q), 0.0)
         rate = inner_rate(beta, y, finite)
-        added = tl.sum(tl.where(mask, tl.where(finite, exp64(lp) * expm1_64(y), q), 0.0), axis=0)
+        added, slope = added_mass(lp, finite, mask, tl.where(finite, lp + y, s / beta), rate, y)
         value = added - deficit
-        slope = tl.sum(q * rate, axis=0)
         s_new, done, low, high = newton_update(s, value, slope, NEWTON_TOLERANCE * deficit,
                                                previous, low, high, closed_bracket)
         previous = value

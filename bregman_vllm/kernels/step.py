@@ -87,6 +87,7 @@ from .formulas import (
     known_count,
     log64,
     order_key,
+    request_at,
     shifted,
     top_keys,
 )
@@ -380,14 +381,9 @@ def _search_kernel(map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr,
     row = tl.program_id(0).to(tl.int64)
     if tl.load(needs_ptr + row) == 0:
         return
-    slot = tl.load(map_ptr + row).to(tl.int64)
-    family = tl.load(family_ptr + slot)
-    fixed = tl.load(fixed_ptr + slot) != 0
-    size = tl.load(size_ptr + slot)
-    alpha = tl.load(alpha_ptr + slot)
-    lam = tl.load(lam_ptr + slot)
-    dual = tl.load(row_mode_ptr + slot) == 2  # (`rows.MODES`: 1 primal, 2 dual)
-    temperature = tl.load(temperature_ptr + slot).to(tl.float64)
+    _slot, family, fixed, size, alpha, lam, dual, temperature = request_at(
+        map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr, row_mode_ptr,
+        temperature_ptr, row)
     positions = tl.arange(0, C)
     where = row * C + positions
     x = tl.load(x_ptr + where)

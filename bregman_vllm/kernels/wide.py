@@ -56,6 +56,7 @@ from .formulas import (
     log64,
     logaddexp64,
     logsumexp64,
+    request_at,
     shifted,
     sqrt64,
     square_gaps,
@@ -73,6 +74,7 @@ from .search import (
     STRADDLE,
     SUM_ROUNDING,
     TERM_ROUNDING,
+    added_mass,
     alpha_kernel,
     closed_values,
     inner_solve,
@@ -309,10 +311,9 @@ def solve(kind, closed, src, tails, vocab, scale, total, beta, k, start, top,
                 finite = isfinite64(log_x)
                 lp = tl.where(finite, log_x, 0.0)
                 log_q, rate, lift = map_values(kind, closed, lp, finite, beta, s, top)
-                q = tl.where(mask, exp64(log_q), 0.0)
-                added = tl.where(finite, exp64(lp) * expm1_64(lift), q)
-                value += tl.sum(tl.where(mask, added, 0.0), axis=0)
-                slope += tl.sum(tl.where(mask, q * rate, 0.0), axis=0)
+                added, rise = added_mass(lp, finite, mask, log_q, rate, lift)
+                value += added
+                slope += rise
             s, done, low, high = newton_update(s, value, slope, NEWTON_TOLERANCE * deficit,
                                                previous, low, high, closed_bracket)
             previous = value
@@ -757,14 +758,9 @@ def wide_kernel(sorted_ptr, stride, vocab, map_ptr, family_ptr, fixed_ptr, size_
     row = tl.program_id(0).to(tl.int64)
     if tl.load(needs_ptr + row) == 0:
         return
-    slot = tl.load(map_ptr + row).to(tl.int64)
-    family = tl.load(family_ptr + slot)
-    fixed = tl.load(fixed_ptr + slot) != 0
-    size = tl.load(size_ptr + slot)
-    alpha = tl.load(alpha_ptr + slot)
-    lam = tl.load(lam_ptr + slot)
-    dual = tl.load(row_mode_ptr + slot) == 2  # (`rows.MODES`: 1 primal, 2 dual)
-    temperature = tl.load(temperature_ptr + slot).to(tl.float64)
+    slot, family, fixed, size, alpha, lam, dual, temperature = request_at(
+        map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr, row_mode_ptr,
+        temperature_ptr, row)
     scale = tl.load(scale_ptr + slot).to(tl.float64)
     total = tl.load(total_ptr + row)
     src = sorted_ptr + row * stride
