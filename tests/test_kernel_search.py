@@ -43,6 +43,7 @@ from bregman_vllm.core.primal import level_range, normalized, primal_values, sup
 from bregman_vllm.diagnostics import DispatchCounter
 from bregman_vllm.kernels import search as ks
 from bregman_vllm.kernels import step as kernel_step
+from bregman_vllm.kernels import wide
 from bregman_vllm.kernels.formulas import at
 from bregman_vllm.rows import FAMILY_CODES
 
@@ -646,14 +647,33 @@ def test_rows_past_the_search_decode_on_the_device(counted):
     """Every family whose k* or fixed size passes the search's widest candidates (flat rows of
     4096, k* in the thousands): the wide pass decodes it on the whole sorted row (one sort and
     seven launches, no sync), as the float64 torch step does, and as the independent reference
-    does for the general maps."""
+    does."""
     g = torch.Generator().manual_seed(31)
     scores = torch.randn(len(BEYOND), 4096, generator=g) * 0.5
     got, _ = _step(scores, BEYOND, counted=counted)
     assert counted["launches"] == 7 and counted["total"] == 8, counted
     assert bool((got.k[:-1] > kernel_step.SEARCH_WIDTH).all()), got.k
-    for row in (0, 1, 4, 6):
+    for row in range(len(BEYOND) - 1):
         want = _reference(scores[row:row + 1], BEYOND[row])
+        assert int(got.k[row]) == int(want.k[0]), BEYOND[row]
+        np.testing.assert_allclose(got.out[row].double().exp().numpy(), np.exp(want.log_q[0]),
+                                   rtol=0, atol=2e-5)
+
+
+def test_the_wide_pass_goes_on_to_the_whole_row_where_k_passes_its_first_round(counted):
+    """Rows of 8192 whose k* (5,564 and 6,324) passes the wide pass's first round of entries
+    (GROWTH times the search's candidates: 4096 under the interpreter): its probes point past
+    the round, the next one (the whole row) settles k*, as the float64 torch step and the
+    independent reference decide it."""
+    configs = [{"bregman_alpha": 10.0, "bregman_lambda": 1e-40},
+               {"bregman_mode": "dual", "bregman_alpha": 4.0, "bregman_lambda": 1e-16}]
+    g = torch.Generator().manual_seed(33)
+    scores = torch.randn(2, 8192, generator=g) * 0.5
+    got, _ = _step(scores, configs, counted=counted)
+    assert got.k.tolist() == [6324, 5564] and counted["launches"] == 7
+    assert int(got.k.min()) > wide.FIRST
+    for row, config in enumerate(configs):
+        want = _reference(scores[row:row + 1], config)
         assert int(got.k[row]) == int(want.k[0])
         np.testing.assert_allclose(got.out[row].double().exp().numpy(), np.exp(want.log_q[0]),
                                    rtol=0, atol=2e-5)

@@ -92,7 +92,10 @@ from .formulas import (
     top_keys,
 )
 from .search import fixed_map, search_row
-from .wide import WIDE_BLOCK, wide_kernel
+
+# (the search pass's widest candidate set, `wide.SEARCH_WIDTH`: rows whose k* may pass the
+# windows get it; rows bounded by a window's width get that width, `search_width`)
+from .wide import SEARCH_WIDTH, WIDE_BLOCK, wide_kernel
 
 Tensor = torch.Tensor
 
@@ -108,11 +111,6 @@ PROGRAMS = 1024
 WRITE_CHUNK = 8192
 #: Score dtypes the kernels read (float64 scores take the torch step).
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-#: The search pass's widest candidate set: rows whose k* may pass the windows get it (rows
-#: bounded by a window's width get that width, `search_width`). Under the interpreter the
-#: select kernel's top-k of 2 C keys (`formulas.rank_top`'s [2C, 2C] comparison) must stay
-#: within Triton's largest tensor, 2^20 elements.
-SEARCH_WIDTH = 512 if INTERPRET else 1024
 #: The search pass's widths, narrowest first.
 SEARCH_WIDTHS = (WINDOW, WIDE_WINDOW, SEARCH_WIDTH)
 #: Candidates per step of the write kernel's loop over the search's values.
@@ -683,11 +681,13 @@ def _write(scores: Tensor, out: Tensor, k: Tensor, space: _Workspace, width: int
 
 class _Wide(NamedTuple):
     """The wide pass's scratch: the sorted rows (their values overwritten with the values to
-    write on the support), their positions, the suffix sums of each row's blocks."""
+    write on the support), their positions, the suffix sums of each row's blocks, the dual's
+    inner roots."""
 
     values: Tensor  # [N, V] the scores' dtype
     index: Tensor  # [N, V] int64
     tails: Tensor  # [N, blocks + 1] float64
+    inner: Tensor  # [N, V] float64
 
 
 _WIDE: dict[tuple, _Wide] = {}
@@ -703,7 +703,8 @@ def _wide_workspace(n: int, vocab: int, dtype: torch.dtype, device: torch.device
         blocks = triton.cdiv(vocab, WIDE_BLOCK)
         space = _Wide(torch.empty((size, vocab), dtype=dtype, device=device),
                       torch.empty((size, vocab), dtype=torch.long, device=device),
-                      torch.empty((size, blocks + 1), dtype=torch.float64, device=device))
+                      torch.empty((size, blocks + 1), dtype=torch.float64, device=device),
+                      torch.empty((size, vocab), dtype=torch.float64, device=device))
         if key not in _WIDE and len(_WIDE) >= 4:
             _WIDE.pop(next(iter(_WIDE)))
         _WIDE[key] = space
@@ -722,7 +723,7 @@ def _wide_pass(scores: Tensor, space: _Workspace, k: Tensor, mapping: Tensor,
             columns["family"], columns["fixed"], columns["size"], columns["alpha"],
             columns["lam"], columns["mode"], columns["temperature"], columns["scale"],
             space.total, space.needs, space.flagged, space.low, wide.tails,
-            wide.tails.stride(0), k, space.mode, LOGITS=logits,
+            wide.tails.stride(0), wide.inner, k, space.mode, LOGITS=logits,
             SMALLEST=under_smallest(scores.dtype), B=WIDE_BLOCK, num_warps=8)
     return wide
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..core import step as _core_step
 from .formulas import (
     ARGMAX,
     DUAL_THREE,
@@ -107,6 +108,14 @@ def called(fn):
     return fn if INTERPRET else triton.jit(noinline=True)(fn)
 
 
+#: The search pass's widest candidates (`kernels.step`): under the interpreter the select
+#: kernel's top-k of 2 C keys (`formulas.rank_top`'s [2C, 2C] comparison) must stay within
+#: Triton's largest tensor, 2^20 elements.
+SEARCH_WIDTH = 512 if INTERPRET else 1024
+#: The wide pass's rounds (the torch search's, `core.step.decode_exact`): the first holds
+#: GROWTH times the search pass's candidates, each next one GROWTH times more.
+GROWTH = tl.constexpr(_core_step.GROWTH)
+FIRST = tl.constexpr(_core_step.GROWTH * SEARCH_WIDTH)
 #: Entries per block of a wide row (under the interpreter small, so that the tests' rows of a
 #: few thousand entries take several blocks).
 WIDE_BLOCK = 256 if INTERPRET else 1024
@@ -192,17 +201,19 @@ def deficit_at(src, tails, j, vocab, scale, total, LOGITS: tl.constexpr,
 
 
 @device
-def prepare(src, tails, vocab, scale, total, LOGITS: tl.constexpr, SMALLEST: tl.constexpr,
-            B: tl.constexpr):
-    """The suffix sum of x after each block into ``tails`` (tails[b] = sum over blocks >= b)
-    and the number of positive entries (a prefix: the row is sorted)."""
+def prepare(src, tails, inner, vocab, scale, total, LOGITS: tl.constexpr,
+            SMALLEST: tl.constexpr, B: tl.constexpr):
+    """The suffix sum of x after each block into ``tails`` (tails[b] = sum over blocks >= b),
+    NaN into ``inner`` (no inner root solved yet), and the number of positive entries (a
+    prefix: the row is sorted)."""
     blocks = tl.cdiv(vocab, B)
     tl.store(tails + blocks, 0.0)
     acc = tl.full((), 0.0, tl.float64)
     positive = tl.full((), 0, tl.int64)
     for i in range(0, blocks):
         b = blocks - 1 - i
-        x, _log_x, _pos = block_x(src, b * B, vocab, scale, total, LOGITS, SMALLEST, B)
+        x, _log_x, pos = block_x(src, b * B, vocab, scale, total, LOGITS, SMALLEST, B)
+        tl.store(inner + pos, tl.full([B], float("nan"), tl.float64), mask=pos < vocab)
         acc += tl.sum(x, axis=0)
         positive += tl.sum((x > 0).to(tl.int64), axis=0)
         tl.store(tails + b, acc)
@@ -214,10 +225,13 @@ def prepare(src, tails, vocab, scale, total, LOGITS: tl.constexpr, SMALLEST: tl.
 
 
 @device
-def map_values(kind, closed, lp, finite, beta, s, top):
+def map_values(kind, closed, lp, finite, beta, s, top, zp, active):
     """Every entry's value at the map's scalar s (`maps.solved`'s: the level, delta itself
     (kind 2), or log nu with the inner roots solved; s = -inf: no deficit, q = p): (log q, d log
-    q / ds, log(q / p))."""
+    q / ds, log(q / p)). The dual's inner roots start from the last ones solved at these entries
+    (``zp``: the row's scratch at them, NaN before the first; ``active``: inside the row) and
+    are kept there: a nearby scalar's roots are a close start (the solve is safeguarded, so any
+    start converges)."""
     if s == float("-inf"):
         log_q = tl.where(finite, lp, float("-inf"))
         rate = tl.zeros_like(lp)
@@ -229,22 +243,27 @@ def map_values(kind, closed, lp, finite, beta, s, top):
     elif closed != 0:
         log_q, rate, lift = closed_values(closed, lp, finite, beta, s)
         log_q = tl.where(finite, log_q, s / beta)  # (`dual_map`'s zero entries)
-    else:
+    else:  # (the inner roots from the last ones solved at these entries, else their shape)
         target = s - beta * lp
-        start = tl.minimum(shaped_inner(beta, target), inner_upper(beta, target))
-        log_q, rate, lift = values_at(lp, finite, beta, s, inner_solve(beta, target, start))
+        upper = inner_upper(beta, target)
+        last = tl.load(zp, mask=active, other=float("nan"))
+        start = tl.where(last == last, tl.minimum(last, upper),
+                         tl.minimum(shaped_inner(beta, target), upper))
+        z = inner_solve(beta, target, start)
+        tl.store(zp, z, mask=active)
+        log_q, rate, lift = values_at(lp, finite, beta, s, z)
     return log_q, rate, lift
 
 
 @device
-def probe_values(kind, closed, lp, finite, beta, s, top):
+def probe_values(kind, closed, lp, finite, beta, s, top, zp, active):
     """`map_values` at a probe's scalar (kind 2: log delta, the rate per unit of it)."""
     if kind == 2:
         delta = exp64(s)
-        log_q, rate, lift = map_values(kind, closed, lp, finite, beta, delta, top)
+        log_q, rate, lift = map_values(kind, closed, lp, finite, beta, delta, top, zp, active)
         rate = rate * delta
     else:
-        log_q, rate, lift = map_values(kind, closed, lp, finite, beta, s, top)
+        log_q, rate, lift = map_values(kind, closed, lp, finite, beta, s, top, zp, active)
     return log_q, rate, lift
 
 
@@ -287,7 +306,7 @@ def bracket(kind, src, tails, vocab, scale, total, beta, k, top, LOGITS: tl.cons
 
 
 @called
-def solve(kind, closed, src, tails, vocab, scale, total, beta, k, start, top,
+def solve(kind, closed, src, inner, tails, vocab, scale, total, beta, k, start, top,
           LOGITS: tl.constexpr, SMALLEST: tl.constexpr, B: tl.constexpr):
     """`search.solve_map`'s scalar of the support of size k (`level_map`, `top_map`,
     `dual_map`) by safeguarded Newton on the mass the map adds to the support minus R_k,
@@ -310,7 +329,8 @@ def solve(kind, closed, src, tails, vocab, scale, total, beta, k, start, top,
                 mask = pos < k
                 finite = isfinite64(log_x)
                 lp = tl.where(finite, log_x, 0.0)
-                log_q, rate, lift = map_values(kind, closed, lp, finite, beta, s, top)
+                log_q, rate, lift = map_values(kind, closed, lp, finite, beta, s, top, inner + pos,
+                                               pos < vocab)
                 added, rise = added_mass(lp, finite, mask, log_q, rate, lift)
                 value += added
                 slope += rise
@@ -322,7 +342,7 @@ def solve(kind, closed, src, tails, vocab, scale, total, beta, k, start, top,
 
 
 @called
-def normalizer(kind, closed, src, vocab, scale, total, beta, k, s, top,
+def normalizer(kind, closed, src, inner, vocab, scale, total, beta, k, s, top,
                LOGITS: tl.constexpr, SMALLEST: tl.constexpr, B: tl.constexpr):
     """log sum_(j<k) q_j at the scalar s (`primal.normalized`'s), and whether a value is NaN."""
     norm = tl.full((), float("-inf"), tl.float64)
@@ -331,7 +351,8 @@ def normalizer(kind, closed, src, vocab, scale, total, beta, k, s, top,
         log_x, pos = block_log_x(src, first, vocab, scale, total, LOGITS, B)
         finite = isfinite64(log_x)
         lp = tl.where(finite, log_x, 0.0)
-        log_q, _rate, _lift = map_values(kind, closed, lp, finite, beta, s, top)
+        log_q, _rate, _lift = map_values(kind, closed, lp, finite, beta, s, top, inner + pos,
+                                         pos < vocab)
         mask = pos < k
         norm = logaddexp64(norm, logsumexp64(log_q, mask))
         bad = bad | (tl.max((mask & (log_q != log_q)).to(tl.int32), axis=0) > 0)
@@ -339,25 +360,25 @@ def normalizer(kind, closed, src, vocab, scale, total, beta, k, s, top,
 
 
 @called
-def point(kind, closed, dual, src, vocab, scale, total, beta, alpha, s, top, j,
+def point(kind, closed, dual, src, inner, vocab, scale, total, beta, alpha, s, top, j,
           LOGITS: tl.constexpr, B: tl.constexpr):
     """At position j and the map's scalar s: (log q_j, log(q_j / p_j), its rate, whether x_j
     is finite, log w_j)."""
     log_x, pos = block_log_x(src, (j // B) * B, vocab, scale, total, LOGITS, B)
     finite = isfinite64(log_x)
     lp = tl.where(finite, log_x, 0.0)
-    log_q, rate, lift = map_values(kind, closed, lp, finite, beta, s, top)
+    log_q, rate, lift = map_values(kind, closed, lp, finite, beta, s, top, inner + pos, pos < vocab)
     log_w = log_entry_term(dual, log_x, log_q, alpha)
     return (at(log_q, pos, j), at(lift, pos, j), at(rate, pos, j),
             at(finite.to(tl.int32), pos, j) != 0, at(log_w, pos, j))
 
 
 @called
-def term_at(kind, closed, dual, src, vocab, scale, total, beta, alpha, s, top, j,
+def term_at(kind, closed, dual, src, inner, vocab, scale, total, beta, alpha, s, top, j,
             LOGITS: tl.constexpr, B: tl.constexpr):
     """log w_j at the map's scalar s (`point`'s)."""
-    _log_q, _lift, _rate, _finite, log_w = point(kind, closed, dual, src, vocab, scale, total,
-                                                 beta, alpha, s, top, j, LOGITS, B)
+    _log_q, _lift, _rate, _finite, log_w = point(kind, closed, dual, src, inner, vocab, scale,
+                                                 total, beta, alpha, s, top, j, LOGITS, B)
     return log_w
 
 
@@ -365,10 +386,10 @@ def term_at(kind, closed, dual, src, vocab, scale, total, beta, alpha, s, top, j
 
 
 @called
-def probe(dual, kind, closed, src, tails, vocab, scale, total, alpha, log_lam, s, columns,
+def probe(dual, kind, closed, src, inner, tails, vocab, scale, total, alpha, log_lam, s, columns,
           top, LOGITS: tl.constexpr, SMALLEST: tl.constexpr, B: tl.constexpr):
     """`search.probe` over the first ``columns`` entries, block by block (the mass added at s
-    summed with a carry): (low, high, D, step)."""
+    summed with a carry): (low, high, m, D at m, step)."""
     beta = alpha - 1.0
     carry = tl.full((), 0.0, tl.float64)
     above_s = tl.full((), 0, tl.int64)
@@ -384,7 +405,8 @@ def probe(dual, kind, closed, src, tails, vocab, scale, total, alpha, log_lam, s
         active = pos < columns
         finite = isfinite64(log_x)
         lp = tl.where(finite, log_x, 0.0)
-        log_q, _rate, lift = probe_values(kind, closed, lp, finite, beta, s, top)
+        log_q, _rate, lift = probe_values(kind, closed, lp, finite, beta, s, top, inner + pos,
+                                          pos < vocab)
         q = exp64(log_q)
         terms = tl.where(active, tl.where(finite, x * expm1_64(lift), q), 0.0)
         added = carry + tl.cumsum(terms, 0)
@@ -411,15 +433,16 @@ def probe(dual, kind, closed, src, tails, vocab, scale, total, alpha, log_lam, s
         log_x, pos = block_log_x(src, first, vocab, scale, total, LOGITS, B)
         finite = isfinite64(log_x)
         lp = tl.where(finite, log_x, 0.0)
-        log_q, rate, _lift = probe_values(kind, closed, lp, finite, beta, s, top)
+        log_q, rate, _lift = probe_values(kind, closed, lp, finite, beta, s, top, inner + pos,
+                                          pos < vocab)
         moves += tl.sum(tl.where(pos < m, exp64(log_q) * rate, 0.0), axis=0)
     s_map = tl.where(kind == 2, exp64(s), s)
     log_q_m, lift_m, rate_m, finite_m, log_w_m = point(
-        kind, closed, dual, src, vocab, scale, total, beta, alpha, s_map, top, m, LOGITS, B)
+        kind, closed, dual, src, inner, vocab, scale, total, beta, alpha, s_map, top, m, LOGITS, B)
     rate_m = tl.where(kind == 2, rate_m * s_map, rate_m)
-    w_ahead = term_at(kind, closed, dual, src, vocab, scale, total, beta, alpha, s_map, top,
+    w_ahead = term_at(kind, closed, dual, src, inner, vocab, scale, total, beta, alpha, s_map, top,
                       ahead, LOGITS, B)
-    w_behind = term_at(kind, closed, dual, src, vocab, scale, total, beta, alpha, s_map, top,
+    w_behind = term_at(kind, closed, dual, src, inner, vocab, scale, total, beta, alpha, s_map, top,
                        behind, LOGITS, B)
     residual = log_w_m - log_lam
     slope_q = term_slope(dual, alpha, lift_m, finite_m) * rate_m
@@ -427,33 +450,40 @@ def probe(dual, kind, closed, src, tails, vocab, scale, total, alpha, log_lam, s
     slope = slope_q - per_entry * moves / exp64(log_q_m)
     target = tl.where(residual > 0, -STRADDLE, STRADDLE)
     step = tl.where(size < columns, (target - residual) / slope, float("nan"))
-    return low, high, residual, step
+    return low, high, m, residual, step
 
 
 @device
-def probes(dual, kind, closed, src, tails, vocab, scale, total, alpha, log_lam, low, high,
-           top, LOGITS: tl.constexpr, SMALLEST: tl.constexpr, B: tl.constexpr):
-    """`kernels.search.probes` on the whole row: probes on the scalar until the bracket [low,
-    high] of k* is one size wide, or at most `SETTLE` wide and no longer narrowing (or three
-    probes in a row). Returns (low, high, the last probe's scalar)."""
+def probes(dual, kind, closed, src, inner, tails, vocab, scale, total, alpha, log_lam, low, high,
+           aim, cap, top, LOGITS: tl.constexpr, SMALLEST: tl.constexpr, B: tl.constexpr):
+    """`kernels.search.probes` on a round of the first ``cap`` entries of the sorted row (the
+    torch search's rounds of candidates, `core.step.decode_exact`): probes on the scalar until
+    the bracket [low, high] of k* is one size wide, or at most `SETTLE` wide and no longer
+    narrowing (or three probes in a row), or known to pass the round, or pointed past it; the
+    first probe at ``aim`` (the last round's Newton aim; NaN: near the scalar of ``low``).
+    Returns (low, high, the last probe's scalar, whether k* lies past the round, the scalar
+    the last Newton step aimed at)."""
     beta = alpha - 1.0
-    widest = tl.maximum(high - 1, 1)
+    widest = tl.maximum(tl.minimum(high, cap) - 1, 1)
     s_low, s_high, s = scalar_range(kind, src, tails, vocab, scale, total, beta, widest,
                                     tl.minimum(tl.maximum(low, 1), widest), top, LOGITS,
                                     SMALLEST, B)
+    s = tl.where(aim == aim, aim, s)
     s = tl.minimum(tl.maximum(s, s_low), s_high)
     last = s
+    ahead = s
     nan = tl.full((), float("nan"), tl.float64)
     d_low = nan
     d_high = nan
     above = low < 0  # (False)
+    wider = above
     stale = low * 0
-    columns = high
+    columns = tl.minimum(high, cap)
     count = tl.full((), 0, tl.int32)
-    go = (high - low > 1) & (count == 0)
+    go = (high - low > 1) & ((high <= cap) | (low < cap - 1))
     while go:
-        found_low, found_high, residual, step = probe(
-            dual, kind, closed, src, tails, vocab, scale, total, alpha, log_lam, s, columns,
+        found_low, found_high, m, residual, step = probe(
+            dual, kind, closed, src, inner, tails, vocab, scale, total, alpha, log_lam, s, columns,
             top, LOGITS, SMALLEST, B)
         hi = tl.minimum(high, found_high)
         lo = tl.minimum(tl.maximum(low, found_low), hi)
@@ -471,17 +501,24 @@ def probes(dual, kind, closed, src, tails, vocab, scale, total, alpha, log_lam, 
         d_low = tl.where(down, residual, d_low)
         above = up
         proposal = s + step
+        ahead = tl.where(proposal == proposal, proposal, s)
         inside = (proposal > s_low) & (proposal < s_high)
         share = tl.minimum(tl.maximum(d_low / (d_low - d_high), 0.05), 0.95)
         share = tl.where(share != share, 0.5, share)
         stale = tl.where(narrowed, 0, stale + 1)
         s_next = tl.where(inside, proposal, s_low + share * (s_high - s_low))
         count += 1
-        go = (hi - lo > 1) & (narrowed | ((hi - lo > SETTLE) & (stale < 3))) & \
-            (s_high - s_low > 1e-14 * (1.0 + tl.abs(s))) & (count < PROBES)
-        columns = tl.minimum(hi + 2, vocab)
+        # (D is not known past the round: the probes cannot settle a k* there, where D points
+        # (at the round's end, or its Newton step below every size's scalar in the round))
+        wider = up & (hi > cap) & (((m >= cap - 1) & (columns == cap)) | (
+            (proposal < s_low) & (d_low != d_low)))
+        go = (hi - lo > 1) & (narrowed | ((hi - lo > SETTLE) & (stale < 3))) & ~wider & \
+            (s_high - s_low > 1e-14 * (1.0 + tl.abs(s))) & ((hi <= cap) | (lo < cap - 1)) & \
+            (count < PROBES)
+        columns = tl.minimum(hi + 2, cap)
         s = s_next
-    return low, high, last
+    past = ((high > cap) & (low >= cap - 1)) | wider
+    return low, high, last, past, ahead
 
 
 @called
@@ -513,32 +550,33 @@ def scalar_range(kind, src, tails, vocab, scale, total, beta, widest, size, top,
 
 
 @called
-def decide_gap(dual, kind, closed, src, vocab, scale, total, alpha, log_lam, m, s, s_next,
+def decide_gap(dual, kind, closed, src, inner, vocab, scale, total, alpha, log_lam, m, s, s_next,
                top, LOGITS: tl.constexpr, SMALLEST: tl.constexpr, B: tl.constexpr):
     """`kernels.search.decide_gap` from the scalars of sizes m and m + 1: log G(m), or a bound
     of it on the same side of log lambda (weak duality first; the log-space formulas of
     `primal_log_gap` / `dual_log_gap` over the support's blocks for the rest)."""
     beta = alpha - 1.0
     p_next = log_x_at(src, m, scale, total, LOGITS)
-    upper = term_at(kind, closed, dual, src, vocab, scale, total, beta, alpha, s, top, m,
+    upper = term_at(kind, closed, dual, src, inner, vocab, scale, total, beta, alpha, s, top, m,
                     LOGITS, B)
-    q_next_m, _lift, _rate, _finite, lower = point(kind, closed, dual, src, vocab, scale, total,
-                                                   beta, alpha, s_next, top, m, LOGITS, B)
+    q_next_m, _lift, _rate, _finite, lower = point(kind, closed, dual, src, inner, vocab, scale,
+                                                   total, beta, alpha, s_next, top, m, LOGITS, B)
     if upper <= log_lam:
         value = upper
     elif lower > log_lam:
         value = lower
     else:
-        norm_next, _nan = normalizer(kind, closed, src, vocab, scale, total, beta, m + 1,
+        norm_next, _nan = normalizer(kind, closed, src, inner, vocab, scale, total, beta, m + 1,
                                      s_next, top, LOGITS, SMALLEST, B)
         terms = tl.full((), float("-inf"), tl.float64)
         for first in range(0, m, B):
             log_x, pos = block_log_x(src, first, vocab, scale, total, LOGITS, B)
             finite = isfinite64(log_x)
             lp = tl.where(finite, log_x, 0.0)
-            _log_q_here, _rate_here, lift = map_values(kind, closed, lp, finite, beta, s, top)
+            _log_q_here, _rate_here, lift = map_values(kind, closed, lp, finite, beta, s, top,
+                                                       inner + pos, pos < vocab)
             log_q_next, _rate_next, lift_next = map_values(kind, closed, lp, finite, beta,
-                                                          s_next, top)
+                                                          s_next, top, inner + pos, pos < vocab)
             inside = pos < m
             rho = lift - lift_next
             rho = tl.where(inside & isfinite64(rho), rho, 0.0)
@@ -560,7 +598,7 @@ def decide_gap(dual, kind, closed, src, vocab, scale, total, alpha, log_lam, m, 
 
 
 @device
-def settle(dual, kind, closed, src, tails, vocab, scale, total, alpha, log_lam, low, high, s,
+def settle(dual, kind, closed, src, inner, tails, vocab, scale, total, alpha, log_lam, low, high, s,
            top, LOGITS: tl.constexpr, SMALLEST: tl.constexpr, B: tl.constexpr):
     """`kernels.search.settle`: the smallest k in [low, high] with G(k) <= lambda (or high) by
     exact gaps, Algorithm 2's halving until at most `SETTLE` sizes are left, then the bracket's
@@ -575,16 +613,16 @@ def settle(dual, kind, closed, src, tails, vocab, scale, total, alpha, log_lam, 
         span = high - low
         m = tl.where(span <= SETTLE, low, low + span // 2)
         m = tl.minimum(m, high - 1)
-        s_next = solve(kind, closed, src, tails, vocab, scale, total, beta, m + 1, held_s,
+        s_next = solve(kind, closed, src, inner, tails, vocab, scale, total, beta, m + 1, held_s,
                        top, LOGITS, SMALLEST, B)
-        value = term_at(kind, closed, dual, src, vocab, scale, total, beta, alpha, s_next,
+        value = term_at(kind, closed, dual, src, inner, vocab, scale, total, beta, alpha, s_next,
                         top, m, LOGITS, B)
         s_m = held_s
         if value <= log_lam:
             if held != m:
-                s_m = solve(kind, closed, src, tails, vocab, scale, total, beta, m, s_next,
+                s_m = solve(kind, closed, src, inner, tails, vocab, scale, total, beta, m, s_next,
                             top, LOGITS, SMALLEST, B)
-            value = decide_gap(dual, kind, closed, src, vocab, scale, total, alpha, log_lam,
+            value = decide_gap(dual, kind, closed, src, inner, vocab, scale, total, alpha, log_lam,
                                m, s_m, s_next, top, LOGITS, SMALLEST, B)
         broken = broken | (value != value) | (s_next != s_next)
         if value > log_lam:
@@ -702,7 +740,7 @@ def is_closed_map(family):
 
 
 @device
-def search(dual, kind, closed, src, tails, vocab, scale, total, alpha, lam, low, limit, top,
+def search(dual, kind, closed, src, inner, tails, vocab, scale, total, alpha, lam, low, limit, top,
            LOGITS: tl.constexpr, SMALLEST: tl.constexpr, B: tl.constexpr):
     """`kernels.search.search_row` on the whole row (``low``: the search pass's certified lower
     bound on k*): the floor of the gaps, the probes, the exact gaps. Returns `settle`'s."""
@@ -717,18 +755,28 @@ def search(dual, kind, closed, src, tails, vocab, scale, total, alpha, lam, low,
         floor = log_entry_term(dual, log_x, log_x, alpha)
         count += tl.sum((floor > log_lam + tolerance).to(tl.int64), axis=0)
     lo = tl.maximum(lo, tl.minimum(count, hi))
+    # rounds of candidates as the torch search's (`core.step.decode_exact`): the first
+    # ``FIRST`` entries, then GROWTH times as many, the whole row at once where the round after
+    # would be the widest
     s = tl.full((), float("nan"), tl.float64)
-    if hi - lo > 1:
-        lo, hi, s = probes(dual, kind, closed, src, tails, vocab, scale, total, alpha, log_lam,
-                           lo, hi, top, LOGITS, SMALLEST, B)
-        if kind == 2:
-            s = exp64(s)  # (the map's solver takes delta itself)
-    return settle(dual, kind, closed, src, tails, vocab, scale, total, alpha, log_lam, lo, hi,
-                  s, top, LOGITS, SMALLEST, B)
+    aim = s
+    cap = tl.minimum(vocab, FIRST).to(tl.int64)
+    more = hi - lo > 1
+    while more:
+        lo, hi, s, past, aim = probes(dual, kind, closed, src, inner, tails, vocab, scale,
+                                      total, alpha, log_lam, lo, hi, aim, cap, top, LOGITS,
+                                      SMALLEST, B)
+        more = past & (cap < vocab)
+        grown = cap * GROWTH
+        cap = tl.where(more, tl.where(grown * 2 >= vocab, vocab, grown), cap)
+    if kind == 2:
+        s = exp64(s)  # (the map's solver takes delta itself)
+    return settle(dual, kind, closed, src, inner, tails, vocab, scale, total, alpha, log_lam, lo,
+                  hi, s, top, LOGITS, SMALLEST, B)
 
 
 @device
-def values_block(family, closed_form, kind, closed, src, vocab, scale, total, beta, k, s,
+def values_block(family, closed_form, kind, closed, src, inner, vocab, scale, total, beta, k, s,
                  norm, log_deficit, scalar, top, first, LOGITS: tl.constexpr,
                  SMALLEST: tl.constexpr, B: tl.constexpr):
     """log T_k on the block at ``first`` (normalized): a closed form's, or the map at s less
@@ -741,7 +789,8 @@ def values_block(family, closed_form, kind, closed, src, vocab, scale, total, be
     else:
         finite = isfinite64(log_x)
         lp = tl.where(finite, log_x, 0.0)
-        log_q, _rate, _lift = map_values(kind, closed, lp, finite, beta, s, top)
+        log_q, _rate, _lift = map_values(kind, closed, lp, finite, beta, s, top, inner + pos,
+                                         pos < vocab)
         log_q = tl.where(inside, log_q - norm, float("-inf"))
     return log_q, pos, inside
 
@@ -749,7 +798,7 @@ def values_block(family, closed_form, kind, closed, src, vocab, scale, total, be
 @triton.jit(do_not_specialize=["stride", "tails_stride"])
 def wide_kernel(sorted_ptr, stride, vocab, map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr,
                 lam_ptr, row_mode_ptr, temperature_ptr, scale_ptr, total_ptr, needs_ptr,
-                flagged_ptr, low_ptr, tails_ptr, tails_stride, k_ptr, mode_ptr,
+                flagged_ptr, low_ptr, tails_ptr, tails_stride, inner_ptr, k_ptr, mode_ptr,
                 LOGITS: tl.constexpr, SMALLEST: tl.constexpr, B: tl.constexpr):
     """One row the search pass left ``needs`` (the others leave at once), on its sorted scores
     (``sorted_ptr``, overwritten with the values to write on the support: ``mode`` 4): a fixed
@@ -765,7 +814,8 @@ def wide_kernel(sorted_ptr, stride, vocab, map_ptr, family_ptr, fixed_ptr, size_
     total = tl.load(total_ptr + row)
     src = sorted_ptr + row * stride
     tails = tails_ptr + row * tails_stride
-    known = prepare(src, tails, vocab, scale, total, LOGITS, SMALLEST, B)
+    inner = inner_ptr + row * vocab  # (the dual's inner roots, `map_values`)
+    known = prepare(src, tails, inner, vocab, scale, total, LOGITS, SMALLEST, B)
     top = log_x_at(src, 0, scale, total, LOGITS)
     beta = alpha - 1.0
     kind = tl.where(dual, 0, tl.where(alpha > 1.0, 1, 2))
@@ -779,9 +829,9 @@ def wide_kernel(sorted_ptr, stride, vocab, map_ptr, family_ptr, fixed_ptr, size_
         k = closed_search(family, src, tails, vocab, scale, total, lam,
                           tl.minimum(known, size), LOGITS, SMALLEST, B)
     else:
-        k, s, broken = search(dual, kind, closed, src, tails, vocab, scale, total, alpha, lam,
-                      tl.load(low_ptr + row), tl.maximum(tl.minimum(known, size), 1), top,
-                      LOGITS, SMALLEST, B)
+        k, s, broken = search(dual, kind, closed, src, inner, tails, vocab, scale, total, alpha,
+                              lam, tl.load(low_ptr + row), tl.maximum(tl.minimum(known, size), 1),
+                              top, LOGITS, SMALLEST, B)
     log_deficit = tl.full((), 0.0, tl.float64)
     scalar = log_deficit
     norm = log_deficit
@@ -790,22 +840,22 @@ def wide_kernel(sorted_ptr, stride, vocab, map_ptr, family_ptr, fixed_ptr, size_
                                                   LOGITS, SMALLEST, B)
     else:
         if s != s:
-            s = solve(kind, closed, src, tails, vocab, scale, total, beta, k, s, top, LOGITS,
+            s = solve(kind, closed, src, inner, tails, vocab, scale, total, beta, k, s, top, LOGITS,
                       SMALLEST, B)
-        norm, nan = normalizer(kind, closed, src, vocab, scale, total, beta, k, s, top,
+        norm, nan = normalizer(kind, closed, src, inner, vocab, scale, total, beta, k, s, top,
                                LOGITS, SMALLEST, B)
         norm = tl.where(nan, float("nan"), norm)
     # (a NaN scalar is not always seen in the values: min / max drop NaN operands)
     bad = (norm != norm) | broken | (~closed_form & (s != s))
     if closed_form:  # (the general maps' normalizer saw every value)
         for first in range(0, k, B):
-            log_q, _pos, inside = values_block(family, closed_form, kind, closed, src, vocab,
+            log_q, _pos, inside = values_block(family, closed_form, kind, closed, src, inner, vocab,
                                             scale, total, beta, k, s, norm, log_deficit,
                                             scalar, top, first, LOGITS, SMALLEST, B)
             bad = bad | (tl.max((inside & (log_q != log_q)).to(tl.int32), axis=0) > 0)
     if bad == 0:
         for first in range(0, k, B):
-            log_q, pos, inside = values_block(family, closed_form, kind, closed, src, vocab,
+            log_q, pos, inside = values_block(family, closed_form, kind, closed, src, inner, vocab,
                                               scale, total, beta, k, s, norm, log_deficit,
                                               scalar, top, first, LOGITS, SMALLEST, B)
             tl.debug_barrier()  # (the block read before it is overwritten)
