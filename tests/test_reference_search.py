@@ -397,7 +397,7 @@ def test_renormalize_matches_the_independent_reference(mode, alpha):
 
 
 #: One batch per mode, a row per case (its own logits row, lambda, k selection): the kernels'
-#: families, windows and hand-offs to the exact path in one launch sequence each.
+#: families, windows, search and wide passes in one launch sequence each.
 KERNEL_ROWS = {
     "primal": [(1.0, 20, None, None), (1.0, 600, None, None), (1.5, 20, None, None),
                (1.5, 1000, None, None), (2.0, 30, None, None), (2.0, 800, None, None),

@@ -15,17 +15,19 @@ sum_(i>j) x_i (from a suffix sum per block, `prepare`) are computed where a bloc
 (`entries`), never stored. Each sum over a support is a loop over its blocks; each value at
 one position loads its block (`deficit_at`, `point`).
 
-Per row (`decode_row`): a fixed size's map (`closed_map_row` for the closed forms, else
-`solve`); the closed-form gaps of KL, alpha = 3/2 and 2 in one pass (`closed_search`); else the
-floor of the gaps, probes on the scalar (`probes`: the counts n and c that bracket k* by weak
-duality, a straddling Newton step on D(s) = log w_(m+1)(s) - log lambda, Illinois regula falsi
-otherwise), exact gaps (`settle`: the maps of consecutive sizes by safeguarded Newton, their
-weak-duality bounds first, the log-space gap formulas for the rest), and the map of k*. The
-whole row being candidates, every k* is decided here.
+Per row (`wide_kernel`): a fixed size's map (`closed_scalars` and `closed_values_of` for the
+closed forms, else `solve`); the closed-form gaps of KL, alpha = 3/2 and 2 in one pass
+(`closed_search`); else (`search`) the floor of the gaps, probes on the scalar in rounds of the
+row's first entries as the torch search's rounds of candidates (`probes`: the counts n and c
+that bracket k* by weak duality, a straddling Newton step on D(s) = log w_(m+1)(s) - log
+lambda, Illinois regula falsi otherwise; a row whose k* passes a round goes on to the next
+from the last Newton aim), exact gaps (`settle`: the maps of consecutive sizes by safeguarded
+Newton, their weak-duality bounds first, the log-space gap formulas for the rest), and the map
+of k*. The last round being the whole row, every k* is decided here.
 
 Differences from `kernels.search`, none of which changes what is certified: the dual's inner
-roots are solved from their shaped start at every scalar (no warm start across blocks), every
-probe solves them (no steering probes), and the water-filling start of the primal's level is
+roots start from the last ones solved at each entry (kept in a scratch row, `map_values`), and
+every probe solves them (no steering probes); the water-filling start of the primal's level is
 not taken (a start, not a bound).
 
 Float64 throughout (`formulas`' exp64 / log64).
