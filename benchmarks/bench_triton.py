@@ -318,7 +318,8 @@ _TYPES = dict(
     mode_ptr="*i32", needs_ptr="*i1", flagged_ptr="*i32", low_ptr="*i64", shift_ptr="*fp64",
     bound_ptr="*fp64", found_ptr="*i64", found_values_ptr="*fp32", width="i32",
     past="i32", wide_ptr="*i64", wide_values_ptr="*fp32", wide_stride="i32",
-    sorted_ptr="*fp32", tails_ptr="*fp64", tails_stride="i32", inner_ptr="*fp64")
+    sorted_ptr="*fp32", tails_ptr="*fp64", tails_stride="i32", inner_ptr="*fp64",
+    scores_stride="i32", row_len="i32")
 
 
 def _variants(vocab: int, widths: list[int] | None = None

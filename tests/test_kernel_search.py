@@ -679,9 +679,35 @@ def test_the_wide_pass_goes_on_to_the_whole_row_where_k_passes_its_first_round(c
                                    rtol=0, atol=2e-5)
 
 
+def test_rows_held_past_the_search_take_their_top_entries_only(counted):
+    """Rows held to k_max 3000 and 2500 and a top_k of 2500 at [n, 8192] (past the search's
+    candidates, within half the row): the wide pass takes each row's top 4096 entries
+    (`torch.topk`: a select and a sort of the candidates, not of the whole row) and the mass
+    of the others from the row itself (100 of them tied with the last candidate), and decodes
+    as the float64 torch step and the independent reference do."""
+    configs = [{"bregman_alpha": 10.0, "bregman_lambda": 1e-40, "bregman_k_max": 3000},
+               {"bregman_mode": "dual", "bregman_alpha": 3.0, "bregman_lambda": 1e-12,
+                "bregman_k_max": 3000},
+               {"bregman_alpha": 1.0, "bregman_lambda": 1e-5, "bregman_k_max": 2500},
+               {"bregman_alpha": 1.5, "bregman_top_k": 2500}, None]
+    g = torch.Generator().manual_seed(34)
+    scores = torch.randn(len(configs), 8192, generator=g) * 0.5
+    last = scores.sort(-1, descending=True).values[:, 4095:4096]
+    scores[:, 8000:8100] = last  # (tied with each row's last candidate)
+    got, _ = _step(scores, configs, counted=counted)
+    assert got.k[[0, 2, 3, 4]].tolist() == [3000, 2500, 2500, 0]
+    assert kernel_step.SEARCH_WIDTH < int(got.k[1]) <= 3000
+    assert counted["ops"] == {"aten::topk": 1}, counted
+    for row in (0, 1):
+        want = _reference(scores[row:row + 1], configs[row])
+        assert int(got.k[row]) == int(want.k[0])
+        np.testing.assert_allclose(got.out[row].double().exp().numpy(), np.exp(want.log_q[0]),
+                                   rtol=0, atol=2e-5)
+
+
 def test_the_wide_pass_on_ties_masks_temperatures_and_probabilities(counted):
-    """The wide pass on ties across the boundary of a fixed size (the smaller positions kept:
-    `formulas.order_key`'s order; the torch step's top-k may keep others, so the values are
+    """The wide pass on ties across the boundary of a fixed size (which of the tied tokens are
+    kept is a tie-break: `torch.topk`'s here, the torch step's may differ, so the values are
     compared sorted), grammar-masked (-inf) entries, rows that are NaN or hold +inf (left as
     they are), temperatures other than 1, and probabilities in."""
     ties = [{"bregman_alpha": 10.0, "bregman_top_k": 1000},
@@ -692,11 +718,12 @@ def test_the_wide_pass_on_ties_masks_temperatures_and_probabilities(counted):
     got = decode_step(scores.clone(), plan_of(ties, 4096), logits=True, backend="triton")
     want = decode_step(scores.double(), plan_of(ties, 4096), logits=True, backend="torch")
     assert got.k.tolist() == want.k.tolist() == [1000, 1000, 0]
-    assert bool(torch.isfinite(got.out[:2, 500:1500]).all())
+    kept = torch.isfinite(got.out[:2])
+    assert kept[:, 500:1700].sum(-1).tolist() == [1000, 1000] and int(kept.sum()) == 2000
     q = got.out[:2].double().exp().sort(-1, descending=True).values
     q_want = want.out[:2].exp().sort(-1, descending=True).values
     torch.testing.assert_close(q, q_want, rtol=0, atol=2e-5)
-    configs = [{"bregman_mode": "dual", "bregman_alpha": 4.0, "bregman_lambda": 1e-14},
+    configs = [{"bregman_mode": "dual", "bregman_alpha": 3.0, "bregman_lambda": 1e-9},
                {"bregman_alpha": 0.5, "bregman_lambda": 3e-2},
                {"bregman_alpha": 10.0, "bregman_lambda": 1e-32},
                {"bregman_alpha": 1.0, "bregman_lambda": 2e-4}]

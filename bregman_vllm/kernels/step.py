@@ -31,10 +31,12 @@ order:
    cap, or `families.support_bound`), else `SEARCH_WIDTH` (`search_width`);
 5. the wide pass (`_wide_pass`, launched when some row's reach, `rows.Row.reach`, passes the
    search's widest candidates on rows longer than them): one `torch.sort` of the batch
-   (descending, ties by index, the order of `formulas.order_key`), then `wide.wide_kernel` (a
-   program per row; rows the search pass decided leave at once): the same search over the
-   whole sorted row in global memory, a block at a time, which decides every k*; its values
-   overwrite the sorted row's first k* entries;
+   (descending, ties by index, the order of `formulas.order_key`), or, where the layout's
+   reach is within half the row, one `torch.topk` of its reach rounded up to a power of two
+   (a select, the candidates' compaction and their sort); then `wide.wide_kernel` (a program
+   per row; rows the search pass decided leave at once): the same search over the sorted
+   candidates in global memory, a block at a time, which decides every k*; its values
+   overwrite the candidates' first k*;
 6. `_write_kernel` (row x vocabulary chunk): -inf (or 0) off the support, the values on it (the
    window's, the search's or the wide pass's), in place on the logits (or into a new tensor:
    rows not decoded copied); keep-all rows (lambda -> 0) shifted by T times their
@@ -615,8 +617,9 @@ def decode(scores: Tensor, table: RowTable, layout: Layout, *, logits: bool,
         candidates, past = search_width(layout.reach, vocab)
         found = _workspace(n, blocks, candidates, scores.dtype, device, search=True)
         _search_pass(scores, space, found, k, mapping, columns, candidates, logits, past)
-        if past:  # some row's k* may pass the candidates: the wide pass on whole sorted rows
-            wide = _wide_pass(scores, space, k, mapping, columns, logits)
+        if past:  # some row's k* may pass the candidates: the wide pass, on sorted rows
+            wide = _wide_pass(scores, space, k, mapping, columns, logits,
+                              wide_width(layout.reach, vocab))
     # (a row still flagged gets the window's answer, or is left as it came)
     _write(scores, out, k, space, width, logits, inplace, found=found, wide=wide)
     return KernelStep(out, k, 0, 0)
@@ -680,47 +683,72 @@ def _write(scores: Tensor, out: Tensor, k: Tensor, space: _Workspace, width: int
 
 
 class _Wide(NamedTuple):
-    """The wide pass's scratch: the sorted rows (their values overwritten with the values to
-    write on the support), their positions, the suffix sums of each row's blocks, the dual's
-    inner roots."""
+    """The wide pass's scratch for n rows of ``width`` candidates: the sorted candidates (their
+    values overwritten with the values to write on the support), their positions, the suffix
+    sums of each row's blocks, the dual's inner roots."""
 
-    values: Tensor  # [N, V] the scores' dtype
-    index: Tensor  # [N, V] int64
-    tails: Tensor  # [N, blocks + 1] float64
-    inner: Tensor  # [N, V] float64
+    values: Tensor  # [n, width] the scores' dtype
+    index: Tensor  # [n, width] int64
+    tails: Tensor  # [n, blocks + 1] float64
+    inner: Tensor  # [n, width] float64
 
 
 _WIDE: dict[tuple, _Wide] = {}
+#: Contiguous [n, width] views of the wide buffers, by (their key, n, width).
+_WIDE_VIEWS: dict[tuple, _Wide] = {}
 
 
-def _wide_workspace(n: int, vocab: int, dtype: torch.dtype, device: torch.device) -> _Wide:
+def _wide_workspace(n: int, width: int, vocab: int, dtype: torch.dtype,
+                    device: torch.device) -> _Wide:
     """`_Wide` buffers per vocabulary, dtype, device and thread, grown by doubling to the
-    largest batch seen (as `_workspace`)."""
+    largest batch seen (as `_workspace`), and their first n rows of ``width`` candidates as
+    contiguous views (cached: a step allocates nothing)."""
     key = (vocab, dtype, device, threading.get_ident())
+    views = _WIDE_VIEWS.get((key, n, width))
+    if views is not None:
+        return views
     space = _WIDE.get(key)
-    if space is None or space.values.shape[0] < n:
+    if space is None or space.tails.shape[0] < n:
         size = triton.next_power_of_2(max(n, 1))
         blocks = triton.cdiv(vocab, WIDE_BLOCK)
-        space = _Wide(torch.empty((size, vocab), dtype=dtype, device=device),
-                      torch.empty((size, vocab), dtype=torch.long, device=device),
+        space = _Wide(torch.empty(size * vocab, dtype=dtype, device=device),
+                      torch.empty(size * vocab, dtype=torch.long, device=device),
                       torch.empty((size, blocks + 1), dtype=torch.float64, device=device),
-                      torch.empty((size, vocab), dtype=torch.float64, device=device))
+                      torch.empty(size * vocab, dtype=torch.float64, device=device))
         if key not in _WIDE and len(_WIDE) >= 4:
             _WIDE.pop(next(iter(_WIDE)))
         _WIDE[key] = space
-    return _Wide(*(buffer[:n] for buffer in space))
+        for cached in [entry for entry in _WIDE_VIEWS if entry[0] == key]:
+            del _WIDE_VIEWS[cached]  # (views of the buffers just replaced)
+    if len(_WIDE_VIEWS) >= 1024:
+        _WIDE_VIEWS.clear()
+    views = _WIDE_VIEWS[(key, n, width)] = _Wide(
+        space.values[: n * width].view(n, width), space.index[: n * width].view(n, width),
+        space.tails[:n], space.inner[: n * width].view(n, width))
+    return views
+
+
+def wide_width(reach: int, vocab: int) -> int:
+    """The wide pass's candidates for rows that need at most ``reach`` of them (`Layout.reach`):
+    the power of two at or above it, or the whole row."""
+    return vocab if reach >= vocab else min(vocab, triton.next_power_of_2(reach))
 
 
 def _wide_pass(scores: Tensor, space: _Workspace, k: Tensor, mapping: Tensor,
-               columns: dict[str, Tensor], logits: bool) -> _Wide:
-    """Rows the search pass left ``needs``, on their whole rows: every row sorted (one
-    `torch.sort` of the batch, descending, ties by index as `formulas.order_key`), then
-    `wide.wide_kernel` (rows not flagged leave at once)."""
+               columns: dict[str, Tensor], logits: bool, width: int) -> _Wide:
+    """Rows the search pass left ``needs``, on ``width`` sorted candidates each: the whole rows
+    (one `torch.sort` of the batch, descending, ties by index as `formulas.order_key`) or their
+    top ``width`` entries (`torch.topk`: a radix select, the candidates' compaction and their
+    sort), then `wide.wide_kernel` (rows not flagged leave at once)."""
     n, vocab = scores.shape
-    wide = _wide_workspace(n, vocab, scores.dtype, scores.device)
-    torch.sort(scores, dim=1, descending=True, stable=True, out=(wide.values, wide.index))
-    _launch(wide_kernel, (n,), wide.values, wide.values.stride(0), vocab, mapping,
-            columns["family"], columns["fixed"], columns["size"], columns["alpha"],
+    wide = _wide_workspace(n, width, vocab, scores.dtype, scores.device)
+    if width >= vocab:
+        torch.sort(scores, dim=1, descending=True, stable=True, out=(wide.values, wide.index))
+    else:
+        torch.topk(scores, width, dim=1, largest=True, sorted=True,
+                   out=(wide.values, wide.index))
+    _launch(wide_kernel, (n,), wide.values, width, width, scores, scores.stride(0), vocab,
+            mapping, columns["family"], columns["fixed"], columns["size"], columns["alpha"],
             columns["lam"], columns["mode"], columns["temperature"], columns["scale"],
             space.total, space.needs, space.flagged, space.low, wide.tails,
             wide.tails.stride(0), wide.inner, k, space.mode, LOGITS=logits,
@@ -801,7 +829,7 @@ def warm_up(device: torch.device | str, vocab: int, *, dtype: torch.dtype = torc
         found = _workspace(2, triton.cdiv(vocab, BLOCK), candidates, dtype, device, search=True)
         _search_pass(scores, space, found, step.k, _identity(2, device), table.columns,
                      candidates, True, False)
-    _wide_pass(scores, space, step.k, _identity(2, device), table.columns, True)
+    _wide_pass(scores, space, step.k, _identity(2, device), table.columns, True, vocab)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start

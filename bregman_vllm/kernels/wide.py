@@ -203,14 +203,14 @@ def deficit_at(src, tails, j, vocab, scale, total, LOGITS: tl.constexpr,
 
 
 @device
-def prepare(src, tails, inner, vocab, scale, total, LOGITS: tl.constexpr,
+def prepare(src, tails, inner, vocab, scale, total, tail, LOGITS: tl.constexpr,
             SMALLEST: tl.constexpr, B: tl.constexpr):
-    """The suffix sum of x after each block into ``tails`` (tails[b] = sum over blocks >= b),
-    NaN into ``inner`` (no inner root solved yet), and the number of positive entries (a
-    prefix: the row is sorted)."""
+    """The suffix sum of x after each block into ``tails`` (tails[b] = sum over blocks >= b,
+    and ``tail``, the mass past the candidates), NaN into ``inner`` (no inner root solved yet),
+    and the number of positive candidates (a prefix: they are sorted)."""
     blocks = tl.cdiv(vocab, B)
-    tl.store(tails + blocks, 0.0)
-    acc = tl.full((), 0.0, tl.float64)
+    tl.store(tails + blocks, tail)
+    acc = tail
     positive = tl.full((), 0, tl.int64)
     for i in range(0, blocks):
         b = blocks - 1 - i
@@ -221,6 +221,31 @@ def prepare(src, tails, inner, vocab, scale, total, LOGITS: tl.constexpr,
         tl.store(tails + b, acc)
     tl.debug_barrier()  # (the sums before any block's deficit reads them)
     return positive
+
+
+@device
+def outside_mass(scores, row_len, src, vocab, scale, total, LOGITS: tl.constexpr,
+                 SMALLEST: tl.constexpr, B: tl.constexpr):
+    """The mass of the row's entries that are not among its ``vocab`` candidates (the row's top
+    entries, from a top-k: ``scores`` is the row as given, ``row_len`` long), from positive
+    terms: the entries below the last candidate's value, and as many entries equal to it as
+    the candidates leave out."""
+    last = tl.load(src + vocab - 1).to(tl.float32)
+    below = tl.full((), 0.0, tl.float64)
+    equal = tl.full((), 0, tl.int64)
+    for first in range(0, row_len, B):
+        pos = first + tl.arange(0, B)
+        v = tl.load(scores + pos, mask=pos < row_len, other=float("-inf")).to(tl.float32)
+        x = x_of(v.to(tl.float64), log_x_of(v.to(tl.float64), scale, total, LOGITS), total,
+                 LOGITS, SMALLEST)
+        below += tl.sum(tl.where(v < last, x, 0.0), axis=0)
+        equal += tl.sum(((pos < row_len) & (v == last)).to(tl.int64), axis=0)
+    for first in range(0, vocab, B):
+        pos = first + tl.arange(0, B)
+        v = tl.load(src + pos, mask=pos < vocab, other=float("-inf")).to(tl.float32)
+        equal -= tl.sum(((pos < vocab) & (v == last)).to(tl.int64), axis=0)
+    return below + equal.to(tl.float64) * x_at(src, vocab - 1, vocab, scale, total, LOGITS,
+                                               SMALLEST)
 
 
 # ----------------------------------------------------------------------------- values at a scalar
@@ -797,15 +822,18 @@ def values_block(family, closed_form, kind, closed, src, inner, vocab, scale, to
     return log_q, pos, inside
 
 
-@triton.jit(do_not_specialize=["stride", "tails_stride"])
-def wide_kernel(sorted_ptr, stride, vocab, map_ptr, family_ptr, fixed_ptr, size_ptr, alpha_ptr,
-                lam_ptr, row_mode_ptr, temperature_ptr, scale_ptr, total_ptr, needs_ptr,
-                flagged_ptr, low_ptr, tails_ptr, tails_stride, inner_ptr, k_ptr, mode_ptr,
+@triton.jit(do_not_specialize=["stride", "vocab", "scores_stride", "row_len", "tails_stride"])
+def wide_kernel(sorted_ptr, stride, vocab, scores_ptr, scores_stride, row_len, map_ptr,
+                family_ptr, fixed_ptr, size_ptr, alpha_ptr, lam_ptr, row_mode_ptr,
+                temperature_ptr, scale_ptr, total_ptr, needs_ptr, flagged_ptr, low_ptr,
+                tails_ptr, tails_stride, inner_ptr, k_ptr, mode_ptr,
                 LOGITS: tl.constexpr, SMALLEST: tl.constexpr, B: tl.constexpr):
-    """One row the search pass left ``needs`` (the others leave at once), on its sorted scores
-    (``sorted_ptr``, overwritten with the values to write on the support: ``mode`` 4): a fixed
-    size's map, the closed-form gaps, or the search (`search`), then log T_k*. A map with a NaN
-    is not written (the row stays flagged: the window's answer, or left as it came)."""
+    """One row the search pass left ``needs`` (the others leave at once), on its ``vocab``
+    sorted candidates (``sorted_ptr``: the whole row sorted, or its top entries, the mass of
+    the others read from the row as given, ``scores_ptr``; overwritten with the values to
+    write on the support: ``mode`` 4): a fixed size's map, the closed-form gaps, or the search
+    (`search`), then log T_k*. A map with a NaN is not written (the row stays flagged: the
+    window's answer, or left as it came)."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(needs_ptr + row) == 0:
         return
@@ -817,7 +845,11 @@ def wide_kernel(sorted_ptr, stride, vocab, map_ptr, family_ptr, fixed_ptr, size_
     src = sorted_ptr + row * stride
     tails = tails_ptr + row * tails_stride
     inner = inner_ptr + row * vocab  # (the dual's inner roots, `map_values`)
-    known = prepare(src, tails, inner, vocab, scale, total, LOGITS, SMALLEST, B)
+    tail = tl.full((), 0.0, tl.float64)
+    if vocab < row_len:
+        tail = outside_mass(scores_ptr + row * scores_stride, row_len, src, vocab, scale, total,
+                            LOGITS, SMALLEST, B)
+    known = prepare(src, tails, inner, vocab, scale, total, tail, LOGITS, SMALLEST, B)
     top = log_x_at(src, 0, scale, total, LOGITS)
     beta = alpha - 1.0
     kind = tl.where(dual, 0, tl.where(alpha > 1.0, 1, 2))
