@@ -526,44 +526,54 @@ class _Workspace(NamedTuple):
     bound: Tensor
 
 
-_WORKSPACES: dict[tuple, _Workspace] = {}
-#: Views of the first n rows of a workspace, by (its key, n): a step allocates nothing.
-_ROWS_OF: dict[tuple, _Workspace] = {}
+#: Scratch buffers by key, with the batch size they hold (`_scratch`).
+_BUFFERS: dict[tuple, tuple[int, tuple]] = {}
+#: Views of a key's buffers for n rows (and a width), by (key, n, ...): a step allocates nothing.
+_VIEWS: dict[tuple, tuple] = {}
+
+
+def _scratch(key: tuple, n: int, extra: tuple, make, view, keep: int = 16):
+    """Buffers ``make(size)`` per ``key``, grown by doubling to the largest batch seen (at most
+    ``keep`` sets of a kind, ``key[0]``), and ``view(buffers)``, their first n rows, cached by
+    (key, n, *extra): the batch size changes nearly every step in an engine; the stream orders
+    one step's use after the last's."""
+    cached = _VIEWS.get((key, n, *extra))
+    if cached is not None:
+        return cached
+    held = _BUFFERS.get(key)
+    if held is None or held[0] < n:
+        size = triton.next_power_of_2(max(n, 1))
+        kind = [entry for entry in _BUFFERS if entry[0] == key[0]]
+        if key not in _BUFFERS and len(kind) >= keep:
+            _BUFFERS.pop(kind[0])
+        held = _BUFFERS[key] = (size, make(size))
+        for stale in [entry for entry in _VIEWS if entry[0] == key]:
+            del _VIEWS[stale]  # (views of the buffers just replaced)
+    if len(_VIEWS) >= 4096:
+        _VIEWS.clear()
+    views = _VIEWS[(key, n, *extra)] = view(held[1])
+    return views
 
 
 def _workspace(n: int, blocks: int, width: int, dtype: torch.dtype, device: torch.device,
                search: bool = False) -> _Workspace:
-    """The step's scratch: one set of buffers per vocabulary, window, dtype, device and thread,
-    grown by doubling to the largest batch seen, and its first n rows as cached views (the
-    batch size changes nearly every step in an engine; the stream orders one step's use after
-    the last's). ``search``: the search pass's (its candidates, index and values; the window's
+    """The step's scratch: one set of buffers per vocabulary, window, dtype, device and thread
+    (`_scratch`). ``search``: the search pass's (its candidates, index and values; the window's
     stay as the decode kernel left them, the answer of a row no search could write)."""
-    key = (blocks, width, dtype, device, threading.get_ident(), search)
-    rows = _ROWS_OF.get((key, n))
-    if rows is not None:
-        return rows
-    space = _WORKSPACES.get(key)
-    if space is None or space.valid.shape[0] < n:
-        size = triton.next_power_of_2(max(n, 1))
 
+    def make(size: int) -> _Workspace:
         def empty(*shape, kind=torch.float64):
             return torch.empty((size, *shape), dtype=kind, device=device)
 
-        space = _Workspace(
+        return _Workspace(
             empty(blocks, kind=torch.float32), empty(blocks, kind=torch.float32),
             empty(width), empty(width), empty(width), empty(width, kind=torch.long), empty(),
             empty(kind=torch.bool), empty(width, kind=dtype), empty(kind=torch.int32),
             empty(kind=torch.bool), empty(kind=torch.int32), empty(kind=torch.long), empty(),
             empty())
-        if key not in _WORKSPACES and len(_WORKSPACES) >= 16:
-            _WORKSPACES.pop(next(iter(_WORKSPACES)))
-        _WORKSPACES[key] = space
-        for cached in [entry for entry in _ROWS_OF if entry[0] == key]:
-            del _ROWS_OF[cached]  # (views of the buffers just replaced)
-    if len(_ROWS_OF) >= 4096:
-        _ROWS_OF.clear()
-    rows = _ROWS_OF[(key, n)] = _Workspace(*(buffer[:n] for buffer in space))
-    return rows
+
+    key = ("step", blocks, width, dtype, device, threading.get_ident(), search)
+    return _scratch(key, n, (), make, lambda space: _Workspace(*(b[:n] for b in space)))
 
 
 _IDENTITY: dict[tuple[int, torch.device], Tensor] = {}
@@ -693,39 +703,25 @@ class _Wide(NamedTuple):
     inner: Tensor  # [n, width] float64
 
 
-_WIDE: dict[tuple, _Wide] = {}
-#: Contiguous [n, width] views of the wide buffers, by (their key, n, width).
-_WIDE_VIEWS: dict[tuple, _Wide] = {}
-
-
 def _wide_workspace(n: int, width: int, vocab: int, dtype: torch.dtype,
                     device: torch.device) -> _Wide:
-    """`_Wide` buffers per vocabulary, dtype, device and thread, grown by doubling to the
-    largest batch seen (as `_workspace`), and their first n rows of ``width`` candidates as
-    contiguous views (cached: a step allocates nothing)."""
-    key = (vocab, dtype, device, threading.get_ident())
-    views = _WIDE_VIEWS.get((key, n, width))
-    if views is not None:
-        return views
-    space = _WIDE.get(key)
-    if space is None or space.tails.shape[0] < n:
-        size = triton.next_power_of_2(max(n, 1))
-        blocks = triton.cdiv(vocab, WIDE_BLOCK)
-        space = _Wide(torch.empty(size * vocab, dtype=dtype, device=device),
-                      torch.empty(size * vocab, dtype=torch.long, device=device),
-                      torch.empty((size, blocks + 1), dtype=torch.float64, device=device),
-                      torch.empty(size * vocab, dtype=torch.float64, device=device))
-        if key not in _WIDE and len(_WIDE) >= 4:
-            _WIDE.pop(next(iter(_WIDE)))
-        _WIDE[key] = space
-        for cached in [entry for entry in _WIDE_VIEWS if entry[0] == key]:
-            del _WIDE_VIEWS[cached]  # (views of the buffers just replaced)
-    if len(_WIDE_VIEWS) >= 1024:
-        _WIDE_VIEWS.clear()
-    views = _WIDE_VIEWS[(key, n, width)] = _Wide(
-        space.values[: n * width].view(n, width), space.index[: n * width].view(n, width),
-        space.tails[:n], space.inner[: n * width].view(n, width))
-    return views
+    """`_Wide` buffers per vocabulary, dtype, device and thread (`_scratch`), and their first n
+    rows of ``width`` candidates as contiguous views."""
+    blocks = triton.cdiv(vocab, WIDE_BLOCK)
+
+    def make(size: int) -> _Wide:
+        return _Wide(torch.empty(size * vocab, dtype=dtype, device=device),
+                     torch.empty(size * vocab, dtype=torch.long, device=device),
+                     torch.empty((size, blocks + 1), dtype=torch.float64, device=device),
+                     torch.empty(size * vocab, dtype=torch.float64, device=device))
+
+    def view(space: _Wide) -> _Wide:
+        return _Wide(space.values[: n * width].view(n, width),
+                     space.index[: n * width].view(n, width), space.tails[:n],
+                     space.inner[: n * width].view(n, width))
+
+    key = ("wide", vocab, dtype, device, threading.get_ident())
+    return _scratch(key, n, (width,), make, view, keep=4)
 
 
 def wide_width(reach: int, vocab: int) -> int:

@@ -180,6 +180,15 @@ def block_log_x(src, start, vocab, scale, total, LOGITS: tl.constexpr, B: tl.con
 
 
 @device
+def block_lp(src, start, vocab, scale, total, LOGITS: tl.constexpr, B: tl.constexpr):
+    """`block_log_x`, whether each log x is finite, and lp: log x there, else 0 (the maps'
+    form: their zero entries are separate terms). Returns (log x, finite, lp, positions)."""
+    log_x, pos = block_log_x(src, start, vocab, scale, total, LOGITS, B)
+    finite = isfinite64(log_x)
+    return log_x, finite, tl.where(finite, log_x, 0.0), pos
+
+
+@device
 def log_x_at(src, j, scale, total, LOGITS: tl.constexpr):
     """log x_j."""
     return log_x_of(tl.load(src + j).to(tl.float32).to(tl.float64), scale, total, LOGITS)
@@ -311,10 +320,8 @@ def bracket(kind, src, tails, vocab, scale, total, beta, k, top, LOGITS: tl.cons
     shifted_power = log_s
     has_zero = k < 0  # (False)
     for first in range(0, k, B):
-        log_x, pos = block_log_x(src, first, vocab, scale, total, LOGITS, B)
+        _log_x, finite, lp, pos = block_lp(src, first, vocab, scale, total, LOGITS, B)
         mask = pos < k
-        finite = isfinite64(log_x)
-        lp = tl.where(finite, log_x, 0.0)
         if kind == 0:
             power = logaddexp64(power, logsumexp64((1.0 - beta) * lp, finite & mask))
             shifted_power = logaddexp64(shifted_power, logsumexp64(
@@ -352,10 +359,8 @@ def solve(kind, closed, src, inner, tails, vocab, scale, total, beta, k, start, 
             value = -deficit
             slope = tl.full((), 0.0, tl.float64)
             for first in range(0, k, B):
-                log_x, pos = block_log_x(src, first, vocab, scale, total, LOGITS, B)
+                _log_x, finite, lp, pos = block_lp(src, first, vocab, scale, total, LOGITS, B)
                 mask = pos < k
-                finite = isfinite64(log_x)
-                lp = tl.where(finite, log_x, 0.0)
                 log_q, rate, lift = map_values(kind, closed, lp, finite, beta, s, top, inner + pos,
                                                pos < vocab)
                 added, rise = added_mass(lp, finite, mask, log_q, rate, lift)
@@ -375,9 +380,7 @@ def normalizer(kind, closed, src, inner, vocab, scale, total, beta, k, s, top,
     norm = tl.full((), float("-inf"), tl.float64)
     bad = k < 0
     for first in range(0, k, B):
-        log_x, pos = block_log_x(src, first, vocab, scale, total, LOGITS, B)
-        finite = isfinite64(log_x)
-        lp = tl.where(finite, log_x, 0.0)
+        _log_x, finite, lp, pos = block_lp(src, first, vocab, scale, total, LOGITS, B)
         log_q, _rate, _lift = map_values(kind, closed, lp, finite, beta, s, top, inner + pos,
                                          pos < vocab)
         mask = pos < k
@@ -391,9 +394,7 @@ def point(kind, closed, dual, src, inner, vocab, scale, total, beta, alpha, s, t
           LOGITS: tl.constexpr, B: tl.constexpr):
     """At position j and the map's scalar s: (log q_j, log(q_j / p_j), its rate, whether x_j
     is finite, log w_j)."""
-    log_x, pos = block_log_x(src, (j // B) * B, vocab, scale, total, LOGITS, B)
-    finite = isfinite64(log_x)
-    lp = tl.where(finite, log_x, 0.0)
+    log_x, finite, lp, pos = block_lp(src, (j // B) * B, vocab, scale, total, LOGITS, B)
     log_q, rate, lift = map_values(kind, closed, lp, finite, beta, s, top, inner + pos, pos < vocab)
     log_w = log_entry_term(dual, log_x, log_q, alpha)
     return (at(log_q, pos, j), at(lift, pos, j), at(rate, pos, j),
@@ -457,9 +458,7 @@ def probe(dual, kind, closed, src, inner, tails, vocab, scale, total, alpha, log
     behind = tl.maximum(m - reach, 0)
     moves = tl.full((), 0.0, tl.float64)
     for first in range(0, m, B):
-        log_x, pos = block_log_x(src, first, vocab, scale, total, LOGITS, B)
-        finite = isfinite64(log_x)
-        lp = tl.where(finite, log_x, 0.0)
+        log_x, finite, lp, pos = block_lp(src, first, vocab, scale, total, LOGITS, B)
         log_q, rate, _lift = probe_values(kind, closed, lp, finite, beta, s, top, inner + pos,
                                           pos < vocab)
         moves += tl.sum(tl.where(pos < m, exp64(log_q) * rate, 0.0), axis=0)
@@ -597,9 +596,7 @@ def decide_gap(dual, kind, closed, src, inner, vocab, scale, total, alpha, log_l
                                      s_next, top, LOGITS, SMALLEST, B)
         terms = tl.full((), float("-inf"), tl.float64)
         for first in range(0, m, B):
-            log_x, pos = block_log_x(src, first, vocab, scale, total, LOGITS, B)
-            finite = isfinite64(log_x)
-            lp = tl.where(finite, log_x, 0.0)
+            log_x, finite, lp, pos = block_lp(src, first, vocab, scale, total, LOGITS, B)
             _log_q_here, _rate_here, lift = map_values(kind, closed, lp, finite, beta, s, top,
                                                        inner + pos, pos < vocab)
             log_q_next, _rate_next, lift_next = map_values(kind, closed, lp, finite, beta,
