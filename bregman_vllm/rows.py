@@ -225,8 +225,8 @@ class Layout:
     """What one step is specialized on (host values, `RowTable.layout`)."""
 
     width: int  # candidates per row: `families.WINDOW` or `families.WIDE_WINDOW`
-    sync: bool  # some row may need the search (the kernels' search pass; the host's exact
-    #             path only for rows it cannot decide on its candidates: ``reach``)
+    sync: bool  # some row may need the search (the kernels' search pass; their wide pass
+    #             for rows it cannot decide on its candidates: ``reach``)
     scaled: bool  # some row has a temperature other than 1
     reach: int = 0  # the most candidates a row that may need the search needs (`Row.reach`)
 
