@@ -380,14 +380,11 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         try:
             step = kernels.decode(logits, table, layout, logits=True, inplace=True,
                                   mapping=ctx.expanded_idx_mapping)
-        except Exception as error:
-            written = getattr(error, "bregman_uncertified_rows", None)
-            if written is not None:  # decoded; some rows not certified
-                telemetry.record_failure(written, self.interface, error)
-                return logits
-            # The kernels failed before writing: the torch step, by plan, row by row at worst.
+        except Exception:
+            # The kernels failed (they write only at their last launch): the torch step, by
+            # plan, row by row at worst.
             return self._apply_planned(logits, ctx, backend="torch")
-        self.last_step = StepResult(step.out, step.k, step.exact_rows)
+        self.last_step = StepResult(step.out, step.k, 0)
         caps = None
         if len(ctx.idx_mapping_np) == logits.shape[0]:
             if self._counted is None or self._counted[0] is not layout:
@@ -397,7 +394,7 @@ class BregmanLogitsProcessor(LogitsProcessor, RunnerV2LogitsProcessor):
         else:  # several rows per request: the modes by the device mapping, copied with k
             # (held rows are not counted there: their caps would need a device copy too)
             modes = table.columns["mode"].index_select(0, ctx.expanded_idx_mapping)
-        self.recorder.record_rows(step.k, modes, step.family_rows, step.exact_rows, caps)
+        self.recorder.record_rows(step.k, modes, caps)
         return logits
 
     def _apply_planned(self, logits: torch.Tensor, ctx: LogitsContext, backend: str

@@ -345,17 +345,17 @@ class StepRecorder:
                 self._prepare(plan)
             self._queue(k, self._modes, self._family_rows, exact_rows, caps)
 
-    def record_rows(self, k: torch.Tensor, modes: np.ndarray | torch.Tensor, family_rows: int,
-                    exact_rows: int, caps: np.ndarray | None = None) -> None:
-        """Count one step of a plan-less processor (Model Runner V2 with the kernels):
-        ``modes`` per row (1 + index in MODES, 0 for rows of plain requests; on the host, or a
-        device tensor copied with ``k``), ``family_rows`` the rows of exact-path families,
-        ``caps`` as in `record` (None: held rows not counted this step)."""
+    def record_rows(self, k: torch.Tensor, modes: np.ndarray | torch.Tensor,
+                    caps: np.ndarray | None = None) -> None:
+        """Count one step of a plan-less processor (Model Runner V2 with the kernels, which
+        send no row to the host's exact path): ``modes`` per row (1 + index in MODES, 0 for
+        rows of plain requests; on the host, or a device tensor copied with ``k``), ``caps`` as
+        in `record` (None: held rows not counted this step)."""
         with _NeverRaise():
             if self._counts is None:
                 self._counts = _tensor_parallel_rank() == 0
             if self._counts:
-                self._queue(k, modes, family_rows, exact_rows, caps)
+                self._queue(k, modes, 0, 0, caps)
 
     def _queue(self, k: torch.Tensor, modes: np.ndarray | torch.Tensor, family_rows: int,
                exact_rows: int, caps: np.ndarray | None = None) -> None:

@@ -124,8 +124,6 @@ class KernelStep(NamedTuple):
 
     out: Tensor  # [N, V] the decoded batch (``scores`` itself when in place)
     k: Tensor  # [N] support sizes (0 for rows not decoded)
-    exact_rows: int  # rows handed to the host's exact path (none: every row is the kernels')
-    family_rows: int  # of those, rows of the EXACT family (none)
 
 
 # ----------------------------------------------------------------------------- 1. read
@@ -632,7 +630,7 @@ def decode(scores: Tensor, table: RowTable, layout: Layout, *, logits: bool,
                               wide_width(layout.reach, vocab))
     # (a row still flagged gets the window's answer, or is left as it came)
     _write(scores, out, k, space, width, logits, inplace, found=found, wide=wide)
-    return KernelStep(out, k, 0, 0)
+    return KernelStep(out, k)
 
 
 def search_width(reach: int, vocab: int) -> tuple[int, bool]:
@@ -761,7 +759,7 @@ def decode_plan(scores: Tensor, plan: Plan, *, logits: bool, inplace: bool = Fal
     calls make one per call)."""
     table, layout = _table_of(plan, scores.device)
     result = decode(scores, table, layout, logits=logits, inplace=inplace)
-    return StepResult(result.out, result.k, result.exact_rows)
+    return StepResult(result.out, result.k, 0)
 
 
 _TABLES: dict[tuple, tuple[RowTable, Layout]] = {}
